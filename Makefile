@@ -1,0 +1,39 @@
+# Two commands do everything on a fresh machine with Python 3.11 and a C++ compiler:
+#   make demo   - set up .venv, build the ops, train a small model on 2 MPI ranks
+#   make test   - set up .venv, build the ops, run the whole test suite
+PYTHON ?= $(shell command -v python3.11 || command -v python3)
+VENV   := .venv
+PY     := $(VENV)/bin/python
+STAMP  := $(VENV)/.matex-installed
+
+export OMPI_ALLOW_RUN_AS_ROOT := 1
+export OMPI_ALLOW_RUN_AS_ROOT_CONFIRM := 1
+export TF_CPP_MIN_LOG_LEVEL := 2
+export PIP_DISABLE_PIP_VERSION_CHECK := 1
+
+.PHONY: demo test ops venv bench clean
+
+venv: $(STAMP)
+
+$(STAMP): setup.py pyproject.toml
+	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q -e ".[embedded-mpi,test]"
+	@touch $(STAMP)
+
+ops: $(STAMP)
+	@$(PY) -m matex._build >/dev/null
+
+demo: ops
+	$(VENV)/bin/matexrun -n 2 examples/demo.py
+
+test: ops
+	$(PY) -m pytest -q tests
+
+bench: ops
+	$(PY) benchmarks/allreduce.py
+	$(PY) benchmarks/small_tensors.py
+	$(PY) benchmarks/training_step.py
+
+clean:
+	rm -rf $(VENV) build *.egg-info data .test-reports

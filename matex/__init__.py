@@ -1,0 +1,49 @@
+"""MaTEx: MPI-backed distributed training for TensorFlow and Keras 3.
+
+    import matex
+    matex.init()                      # optional; implicit on first use
+    matex.rank(), matex.size()
+    matex.allreduce(t, op="average")  # "sum" | "average" | "min" | "max"
+    matex.broadcast(t, root=0)
+    matex.allgather(t)
+    matex.broadcast_variables(model.variables, root=0)
+    model.compile(optimizer=matex.DistributedOptimizer(keras.optimizers.Adam()), ...)
+
+Run under MPI: ``mpiexec -n 4 python train.py``.
+"""
+
+from matex._runtime import comm, init, local_rank, local_size, rank, size
+
+__all__ = [
+    "init", "rank", "size", "local_rank", "local_size", "comm",
+    "allreduce", "broadcast", "allgather", "broadcast_variables",
+    "DistributedOptimizer", "DistributedGradientTape", "mpi_error_class",
+]
+
+_LAZY = {
+    "allreduce": "matex._collectives",
+    "broadcast": "matex._collectives",
+    "allgather": "matex._collectives",
+    "broadcast_variables": "matex._collectives",
+    "mpi_error_class": "matex._collectives",
+    "DistributedOptimizer": "matex._optimizer",
+    "DistributedGradientTape": "matex._tape",
+}
+
+
+def __getattr__(name):
+    # TensorFlow is imported on first use of a TF-facing name, so that
+    # `import matex` stays cheap (and usable for launching and readers).
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError("module 'matex' has no attribute %r" % name)
+    import importlib
+
+    mod = importlib.import_module(module)
+    value = getattr(mod, name)
+    globals()[name] = value
+    return value
+
+
+def __dir__():
+    return sorted(set(globals()) | set(__all__))

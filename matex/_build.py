@@ -1,0 +1,268 @@
+"""Compile MaTEx's C++ libraries against the TensorFlow and the MPI in use.
+
+Three shared objects come out of ``tf_ops/``:
+
+* ``libmatex_core.so``: the MPI collectives (no TensorFlow, no Python),
+* ``_matex_core*.so``: the pybind11 module over the core,
+* ``matex_tf_ops.so``: the TensorFlow ops over the core.
+
+Each lands in a directory named after a hash of everything it depends on
+(sources, compiler, MPI library and headers, Python, TensorFlow), so a change
+of TensorFlow or of MPI selects a new directory and triggers a rebuild. A file
+lock makes concurrently starting ranks build once.
+
+Run ``python -m matex._build`` to build ahead of time.
+"""
+
+import fcntl
+import hashlib
+import os
+import shutil
+import subprocess
+import sys
+import sysconfig
+import tempfile
+import time
+from pathlib import Path
+
+
+class BuildError(RuntimeError):
+    """The op library cannot be built; the message names what is missing."""
+
+
+def _source_dir():
+    here = Path(__file__).resolve().parent
+    for candidate in (here / "tf_ops", here.parent / "tf_ops"):
+        if (candidate / "core" / "matex_core.h").is_file():
+            return candidate
+    raise BuildError(
+        "MaTEx's C++ sources (tf_ops/) are missing next to %s; reinstall matex" % here
+    )
+
+
+def build_root():
+    """Directory under which the compiled libraries are cached."""
+    root = os.environ.get("MATEX_BUILD_DIR")
+    if root:
+        return Path(root)
+    return Path(sys.prefix) / "share" / "matex" / "build"
+
+
+def _compiler():
+    names = [os.environ["CXX"]] if os.environ.get("CXX") else ["g++", "c++"]
+    for name in names:
+        path = shutil.which(name)
+        if path:
+            return path
+    raise BuildError(
+        "no C++ compiler found (looked for %s). Install one (Debian/Ubuntu: "
+        "apt-get install g++) or set CXX to its path." % ", ".join(names)
+    )
+
+
+def _loaded_libmpi():
+    """Real path of the libmpi that mpi4py loaded into this process."""
+    from mpi4py import MPI  # noqa: F401  (loads libmpi)
+
+    paths = set()
+    with open("/proc/self/maps") as maps:
+        for line in maps:
+            name = line.rsplit(None, 1)[-1]
+            if "/libmpi." in name or "/libmpi_" in name:
+                base = os.path.basename(name)
+                if base.startswith("libmpi.so") or base.startswith("libmpi_"):
+                    paths.add(os.path.realpath(name))
+    libs = sorted(p for p in paths if os.path.basename(p).startswith("libmpi.so"))
+    if not libs:
+        raise BuildError("mpi4py is imported but no libmpi.so is mapped in this process")
+    if len(libs) > 1:
+        raise BuildError("several MPI libraries are loaded at once: %s" % ", ".join(libs))
+    return libs[0]
+
+
+def _mpi_include_dir(libmpi):
+    candidates = []
+    if os.environ.get("MATEX_MPI_INCLUDE"):
+        candidates.append(os.environ["MATEX_MPI_INCLUDE"])
+    prefix = Path(libmpi).resolve().parent.parent
+    candidates += [str(prefix / "include"), str(prefix / "include" / "openmpi")]
+    for wrapper in ("mpicc",):
+        exe = shutil.which(wrapper, path=str(prefix / "bin")) or shutil.which(wrapper)
+        if not exe:
+            continue
+        for args in (["-showme:incdirs"], ["-show"]):
+            try:
+                out = subprocess.run([exe] + args, capture_output=True, text=True, timeout=30)
+            except (OSError, subprocess.TimeoutExpired):
+                continue
+            for tok in out.stdout.split():
+                if args == ["-show"]:
+                    if tok.startswith("-I"):
+                        candidates.append(tok[2:])
+                else:
+                    candidates.append(tok)
+    for inc in candidates:
+        if os.path.isfile(os.path.join(inc, "mpi.h")):
+            return inc
+    raise BuildError(
+        "mpi.h not found for the MPI library %s (looked in %s). Set MATEX_MPI_INCLUDE "
+        "to the include directory of that MPI, or install its development package."
+        % (libmpi, ", ".join(dict.fromkeys(candidates)))
+    )
+
+
+def _python_include():
+    inc = sysconfig.get_paths()["include"]
+    if not os.path.isfile(os.path.join(inc, "Python.h")):
+        raise BuildError(
+            "Python.h not found in %s: install the Python development headers "
+            "(Debian/Ubuntu: apt-get install python3-dev)" % inc
+        )
+    return inc
+
+
+def _pybind11_include():
+    try:
+        import pybind11
+    except ImportError:
+        raise BuildError("pybind11 is not installed: pip install pybind11") from None
+    return pybind11.get_include(), pybind11.__version__
+
+
+def _hash(*parts):
+    h = hashlib.sha256()
+    for part in parts:
+        h.update(repr(part).encode())
+        h.update(b"\0")
+    return h.hexdigest()[:16]
+
+
+def _tree_digest(directory):
+    return [(str(p.relative_to(directory)), p.read_bytes())
+            for p in sorted(directory.rglob("*")) if p.suffix in (".h", ".cc")]
+
+
+def _compiler_version(cxx):
+    out = subprocess.run([cxx, "--version"], capture_output=True, text=True)
+    return out.stdout.splitlines()[0] if out.stdout else cxx
+
+
+def _run(cmd):
+    proc = subprocess.run(cmd, capture_output=True, text=True)
+    if proc.returncode != 0:
+        raise BuildError(
+            "compiling MaTEx's C++ code failed:\n  %s\n%s"
+            % (" ".join(cmd), (proc.stderr or proc.stdout)[-4000:])
+        )
+
+
+class _Locked:
+    """Exclusive lock on a file, so that one process builds and the others wait."""
+
+    def __init__(self, path):
+        self.path = path
+
+    def __enter__(self):
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self.fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o666)
+        fcntl.flock(self.fd, fcntl.LOCK_EX)
+        return self
+
+    def __exit__(self, *exc):
+        fcntl.flock(self.fd, fcntl.LOCK_UN)
+        os.close(self.fd)
+
+
+def _build_into(target, products, build):
+    """Run ``build(tmpdir)`` unless ``target`` already holds ``products``."""
+    if all((target / p).is_file() for p in products):
+        return target
+    with _Locked(target.parent / ".lock"):
+        if all((target / p).is_file() for p in products):
+            return target
+        tmp = Path(tempfile.mkdtemp(prefix=".tmp-", dir=target.parent))
+        try:
+            build(tmp)
+            if target.exists():
+                shutil.rmtree(target)
+            os.rename(tmp, target)
+        finally:
+            if tmp.exists():
+                shutil.rmtree(tmp, ignore_errors=True)
+    return target
+
+
+_OPT = ["-O3", "-fPIC", "-shared", "-Wall", "-Wno-sign-compare"]
+
+
+def _say(msg):
+    print("matex: " + msg, file=sys.stderr, flush=True)
+
+
+def core_dir():
+    """Build (if needed) the core and its pybind11 module; return their directory."""
+    src = _source_dir()
+    cxx = _compiler()
+    libmpi = _loaded_libmpi()
+    mpi_inc = _mpi_include_dir(libmpi)
+    py_inc = _python_include()
+    pb_inc, pb_version = _pybind11_include()
+    from mpi4py import MPI
+
+    ext = sysconfig.get_config_var("EXT_SUFFIX")
+    key = _hash(_tree_digest(src / "core"), _tree_digest(src / "python"),
+                _compiler_version(cxx), libmpi, MPI.Get_library_version(),
+                (Path(mpi_inc) / "mpi.h").read_bytes(), sys.version, ext,
+                pb_version)
+    target = build_root() / ("core-" + key)
+    products = ["libmatex_core.so", "_matex_core" + ext]
+
+    def build(tmp):
+        started = time.time()
+        _say("building the MPI core against %s (one time)..." % libmpi)
+        abi = "-D_GLIBCXX_USE_CXX11_ABI=1"
+        _run([cxx, "-std=c++17", abi] + _OPT + [
+            "-I" + mpi_inc, str(src / "core" / "collectives.cc"),
+            "-o", str(tmp / "libmatex_core.so"), "-Wl,-soname,libmatex_core.so",
+            libmpi, "-Wl,-rpath," + os.path.dirname(libmpi)])
+        _run([cxx, "-std=c++17", abi, "-fvisibility=hidden"] + _OPT + [
+            "-I" + str(src / "core"), "-I" + pb_inc, "-I" + py_inc,
+            str(src / "python" / "bindings.cc"), "-o", str(tmp / products[1]),
+            "-L" + str(tmp), "-lmatex_core", "-Wl,-rpath,$ORIGIN"])
+        _say("core built in %.1f s" % (time.time() - started))
+
+    return _build_into(target, products, build)
+
+
+def tf_ops_dir():
+    """Build (if needed) the TensorFlow op library; return its directory."""
+    import tensorflow as tf
+
+    if int(getattr(tf.sysconfig, "CXX11_ABI_FLAG", 1)) != 1:
+        raise BuildError(
+            "this TensorFlow was built with the pre-C++11 string ABI, which MaTEx's "
+            "core does not support; use a TensorFlow wheel from PyPI (2.9 or newer)"
+        )
+    core = core_dir()
+    src = _source_dir()
+    cxx = _compiler()
+    cflags = tf.sysconfig.get_compile_flags()
+    lflags = tf.sysconfig.get_link_flags()
+    key = _hash(core.name, _tree_digest(src / "kernels"), tf.__version__,
+                tf.sysconfig.get_include(), cflags, lflags)
+    target = build_root() / ("tfops-" + key)
+
+    def build(tmp):
+        started = time.time()
+        _say("building the TensorFlow %s ops (one time, ~20 s)..." % tf.__version__)
+        _run([cxx] + _OPT + cflags + ["-I" + str(src / "core"),
+              str(src / "kernels" / "ops.cc"), str(src / "kernels" / "kernels.cc"),
+              "-o", str(tmp / "matex_tf_ops.so"),
+              "-L" + str(core), "-lmatex_core", "-Wl,-rpath," + str(core)] + lflags)
+        _say("ops built in %.1f s" % (time.time() - started))
+
+    return _build_into(target, ["matex_tf_ops.so"], build)
+
+
+if __name__ == "__main__":
+    print(tf_ops_dir() / "matex_tf_ops.so")

@@ -1,0 +1,145 @@
+"""Collectives as TensorFlow ops, with their gradients.
+
+The ops are stateful, so inside ``tf.function`` TensorFlow's automatic
+control dependencies run them in program order: every rank traces the same
+program, hence issues the same collectives in the same order, whatever order
+the executor would otherwise pick. Eagerly, ops run in Python order.
+"""
+
+import tensorflow as tf
+
+from matex import _native, _runtime
+
+REDUCE_OPS = ("sum", "average", "min", "max")
+DTYPES = (tf.float16, tf.bfloat16, tf.float32, tf.float64, tf.int32, tf.int64)
+
+
+def _ops():
+    _runtime._core()  # communicator handed to the C++ side before any op runs
+    return _native.tf_ops()
+
+
+def _as_tensor(tensor, what):
+    if isinstance(tensor, tf.IndexedSlices):
+        tensor = tf.convert_to_tensor(tensor)
+    tensor = tf.convert_to_tensor(tensor)
+    if tensor.dtype not in DTYPES:
+        raise TypeError(
+            "matex.%s does not support dtype %s (supported: %s)"
+            % (what, tensor.dtype.name, ", ".join(d.name for d in DTYPES)))
+    return tensor
+
+
+def _check_op(op):
+    if op not in REDUCE_OPS:
+        raise ValueError("op must be one of %s, not %r" % (", ".join(REDUCE_OPS), op))
+
+
+def allreduce(tensor, op="average", name=None):
+    """Reduce ``tensor`` over all ranks; every rank gets the result.
+
+    Args:
+      tensor: a tensor of float16, bfloat16, float32, float64, int32 or int64,
+        of the same shape on every rank.
+      op: "sum", "average" (the sum divided by the number of ranks at the time
+        the op runs; integers truncate), "min" or "max".
+    Returns:
+      A tensor of the same shape and dtype.
+    Raises:
+      tf.errors.InvalidArgumentError on every rank if ranks disagree on shape,
+      dtype or op; tf.errors.UnavailableError if MPI fails (see
+      ``matex.mpi_error_class``).
+    """
+    _check_op(op)
+    tensor = _as_tensor(tensor, "allreduce")
+    return _ops().matex_allreduce(tensor, reduce_op=op, name=name)
+
+
+def grouped_allreduce(tensors, op="average", name=None):
+    """Reduce several tensors of one dtype with one fused MPI call."""
+    _check_op(op)
+    tensors = [_as_tensor(t, "grouped_allreduce") for t in tensors]
+    return _ops().matex_grouped_allreduce(tensors, reduce_op=op, name=name)
+
+
+def broadcast(tensor, root=0, name=None):
+    """Return rank ``root``'s ``tensor`` on every rank (same shape on all ranks)."""
+    tensor = _as_tensor(tensor, "broadcast")
+    return _ops().matex_broadcast(tensor, root=int(root), name=name)
+
+
+def allgather(tensor, name=None):
+    """Concatenate every rank's ``tensor`` along axis 0, in rank order.
+
+    First dimensions may differ between ranks; the other dimensions must agree.
+    """
+    tensor = _as_tensor(tensor, "allgather")
+    return _ops().matex_allgather(tensor, name=name)
+
+
+def comm_info():
+    """(rank, size) of the current communicator, read when the op runs."""
+    return _ops().matex_comm_info()
+
+
+def broadcast_variables(variables, root=0):
+    """Assign rank ``root``'s value to each variable, on every rank."""
+    for v in variables:
+        v.assign(broadcast(v, root))
+
+
+def mpi_error_class(error):
+    """The MPI error class carried by a MaTEx op error, or None."""
+    payloads = getattr(error, "experimental_payloads", None) or {}
+    for key, value in payloads.items():
+        if key in (b"matex.mpi_error_class", "matex.mpi_error_class"):
+            return int(value)
+    return None
+
+
+# ---- gradients --------------------------------------------------------------
+
+def _extreme_grad(x, y, grad):
+    # The result came from the ranks holding the extreme: they get the
+    # gradient summed over all ranks (a subgradient when several tie).
+    summed = _ops().matex_allreduce(grad, reduce_op="sum")
+    return tf.where(tf.equal(x, y), summed, tf.zeros_like(summed))
+
+
+@tf.RegisterGradient("MatexAllreduce")
+def _allreduce_grad(op, grad):
+    kind = op.get_attr("reduce_op").decode()
+    if kind in ("sum", "average"):
+        return _ops().matex_allreduce(grad, reduce_op=kind)
+    return _extreme_grad(op.inputs[0], op.outputs[0], grad)
+
+
+@tf.RegisterGradient("MatexGroupedAllreduce")
+def _grouped_allreduce_grad(op, *grads):
+    kind = op.get_attr("reduce_op").decode()
+    grads = [tf.zeros_like(x) if g is None else g for x, g in zip(op.inputs, grads)]
+    if kind in ("sum", "average"):
+        return _ops().matex_grouped_allreduce(grads, reduce_op=kind)
+    return [_extreme_grad(x, y, g) for x, y, g in zip(op.inputs, op.outputs, grads)]
+
+
+@tf.RegisterGradient("MatexBroadcast")
+def _broadcast_grad(op, grad):
+    # Only the root's input reaches the output: it gets every rank's gradient.
+    summed = _ops().matex_allreduce(grad, reduce_op="sum")
+    rank, _ = _ops().matex_comm_info()
+    return tf.where(tf.equal(rank, op.get_attr("root")), summed, tf.zeros_like(summed))
+
+
+@tf.RegisterGradient("MatexAllgather")
+def _allgather_grad(op, grad):
+    # Each rank's rows of the summed output gradient go back to that rank.
+    x = op.inputs[0]
+    sizes = _ops().matex_allgather(tf.shape(x, out_type=tf.int64)[:1])
+    rank, _ = _ops().matex_comm_info()
+    offset = tf.reduce_sum(sizes[:rank])
+    summed = _ops().matex_allreduce(grad, reduce_op="sum")
+    return summed[offset:offset + sizes[rank]]
+
+
+tf.no_gradient("MatexCommInfo")

@@ -1,0 +1,76 @@
+"""Gradient fusion: which gradients share one allreduce, and in what order.
+
+Gradients are taken in reverse order of their variables (backprop produces
+the last layers' gradients first) and packed, per dtype, into buckets of at
+most ``threshold`` bytes; each bucket is one fused allreduce. Inside
+``tf.function`` a bucket's allreduce depends only on its own gradients (plus
+the previous collective, for ordering), so it starts while backprop is still
+computing the earlier layers' gradients.
+"""
+
+import os
+
+import tensorflow as tf
+
+from matex import _collectives
+
+DEFAULT_THRESHOLD = 16 * 1024 * 1024
+
+
+def fusion_threshold():
+    """Bucket size in bytes: ``MATEX_FUSION_THRESHOLD`` or 16 MiB; 0 disables fusion."""
+    value = os.environ.get("MATEX_FUSION_THRESHOLD")
+    if value is None or value == "":
+        return DEFAULT_THRESHOLD
+    try:
+        threshold = int(value)
+    except ValueError:
+        raise ValueError("MATEX_FUSION_THRESHOLD must be a number of bytes, not %r"
+                         % value) from None
+    if threshold < 0:
+        raise ValueError("MATEX_FUSION_THRESHOLD must be >= 0, not %d" % threshold)
+    return threshold
+
+
+def _nbytes(t):
+    n = t.shape.num_elements()
+    return None if n is None else n * t.dtype.size
+
+
+def plan_buckets(tensors, threshold):
+    """Indices of ``tensors`` grouped into buckets, in the order to reduce them."""
+    buckets, current, current_bytes, current_dtype = [], [], 0, None
+    for i in reversed(range(len(tensors))):
+        t = tensors[i]
+        nbytes = _nbytes(t)
+        fits = (nbytes is not None and current and t.dtype == current_dtype
+                and current_bytes + nbytes <= threshold)
+        if not fits and current:
+            buckets.append(current)
+            current, current_bytes = [], 0
+        current.append(i)
+        current_dtype = t.dtype
+        current_bytes += nbytes or 0
+        if nbytes is None or threshold == 0:
+            buckets.append(current)
+            current, current_bytes = [], 0
+    if current:
+        buckets.append(current)
+    return buckets
+
+
+def allreduce_gradients(grads, op="average", threshold=None):
+    """Reduce a list of gradients over ranks; ``None`` entries stay ``None``."""
+    if threshold is None:
+        threshold = fusion_threshold()
+    present = [i for i, g in enumerate(grads) if g is not None]
+    dense = [_collectives._as_tensor(grads[i], "allreduce") for i in present]
+    out = list(grads)
+    for bucket in plan_buckets(dense, threshold):
+        if len(bucket) == 1:
+            reduced = [_collectives.allreduce(dense[bucket[0]], op)]
+        else:
+            reduced = _collectives.grouped_allreduce([dense[j] for j in bucket], op)
+        for j, r in zip(bucket, reduced):
+            out[present[j]] = r
+    return out

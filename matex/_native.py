@@ -1,0 +1,64 @@
+"""Load MaTEx's compiled libraries (building them on first use).
+
+``core()`` returns the pybind11 module over the C++ core (no TensorFlow
+needed); ``tf_ops()`` returns the TensorFlow op library. Both share one
+``libmatex_core.so``, hence one communicator state.
+"""
+
+import importlib.util
+import os
+import sysconfig
+import threading
+
+from matex import _build
+
+_lock = threading.Lock()
+_core = None
+_ops = None
+
+
+def _check_single_mpi():
+    """Fail loudly when two different MPI libraries are mapped in this process."""
+    libs = set()
+    with open("/proc/self/maps") as maps:
+        for line in maps:
+            name = line.rsplit(None, 1)[-1]
+            if os.path.basename(name).startswith("libmpi.so"):
+                libs.add(os.path.realpath(name))
+    if len(libs) > 1:
+        raise ImportError(
+            "MaTEx and mpi4py use different MPI libraries (%s). Rebuild mpi4py "
+            "against the MPI you launch with (pip install --no-binary mpi4py "
+            "--force-reinstall mpi4py), or remove the stale build in %s."
+            % (", ".join(sorted(libs)), _build.build_root())
+        )
+
+
+def core():
+    """The ``_matex_core`` pybind11 module."""
+    global _core
+    with _lock:
+        if _core is None:
+            directory = _build.core_dir()
+            path = directory / ("_matex_core" + sysconfig.get_config_var("EXT_SUFFIX"))
+            spec = importlib.util.spec_from_file_location("_matex_core", path)
+            module = importlib.util.module_from_spec(spec)
+            spec.loader.exec_module(module)
+            _check_single_mpi()
+            _core = module
+    return _core
+
+
+def tf_ops():
+    """The TensorFlow op library (``tf.load_op_library`` result)."""
+    global _ops
+    if _ops is None:
+        import tensorflow as tf
+
+        directory = _build.tf_ops_dir()
+        core()  # same libmatex_core.so: set the communicator before any op runs
+        with _lock:
+            if _ops is None:
+                _ops = tf.load_op_library(str(directory / "matex_tf_ops.so"))
+                _check_single_mpi()
+    return _ops

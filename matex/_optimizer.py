@@ -1,0 +1,198 @@
+"""DistributedOptimizer: any Keras 3 optimizer, averaging gradients over ranks.
+
+Keras 3 optimizers funnel every update (``model.fit``, ``apply_gradients``,
+``apply``) through ``BaseOptimizer.apply``; the wrapper overrides exactly that:
+it reduces the gradients over ranks (fused, see ``_fusion``) and then lets the
+wrapped class apply them. Every rank applies identical averaged gradients to
+identical weights, so weights stay bitwise equal.
+
+The first step starts from rank 0's weights: when the optimizer is built
+eagerly (``model.fit`` builds it before the first step) the trainable
+variables and the optimizer's own variables are broadcast right there, before
+any forward pass; when it is built while tracing a ``tf.function`` (custom
+loops), the broadcast runs inside the first step, before the update.
+
+XLA: a custom op has no XLA kernel. When a model compiled with
+``jit_compile=True`` trains with this optimizer, ``fit``'s step is split:
+forward, backward and metrics stay XLA-compiled; the gradients leave the XLA
+cluster, are reduced, and are applied outside it (``_split_xla_step``).
+"""
+
+import threading
+
+import tensorflow as tf
+
+from matex import _collectives, _fusion
+
+_classes = {}
+_classes_lock = threading.Lock()
+
+
+class _State:
+    """Per-optimizer MaTEx settings; a plain object so TF checkpoints ignore it."""
+
+    def __init__(self, op, threshold):
+        self.op = op
+        self.threshold = threshold
+        self.synced = False          # first-step broadcast done eagerly
+        self.pending = None          # tf.Variable flag for an in-graph first-step sync
+        self.capture = None          # list collecting gradients (XLA split), or None
+
+
+class _DistributedMixin:
+    """Methods mixed in front of the wrapped optimizer's class."""
+
+    def build(self, variables):
+        super().build(variables)
+        state = self._matex
+        if not state.synced and tf.executing_eagerly():
+            _collectives.broadcast_variables(list(variables) + list(self.variables), 0)
+            state.synced = True
+
+    def apply(self, grads, trainable_variables=None):
+        state = self._matex
+        grads = list(grads)
+        if state.capture is not None:
+            state.capture.append((grads, list(trainable_variables or [])))
+            return None
+        if trainable_variables is not None:
+            trainable_variables = list(trainable_variables)
+            if not self.built:
+                self.build(trainable_variables)
+                self.built = True
+        grads = _fusion.allreduce_gradients(grads, state.op, state.threshold)
+        if not state.synced:
+            self._matex_first_step_sync(trainable_variables or self._trainable_variables)
+        return super().apply(grads, trainable_variables)
+
+    def _matex_first_step_sync(self, variables):
+        state = self._matex
+        if tf.executing_eagerly():
+            _collectives.broadcast_variables(list(variables) + list(self.variables), 0)
+            state.synced = True
+            return
+        if state.pending is None:
+            with tf.init_scope():
+                state.pending = tf.Variable(True, trainable=False, name="matex_pending_sync")
+        everything = list(variables) + list(self.variables)
+
+        def sync():
+            _collectives.broadcast_variables(everything, 0)
+            state.pending.assign(False)
+            return tf.constant(True)
+
+        tf.cond(state.pending.read_value(), sync, lambda: tf.constant(False))
+
+
+def _distributed_class(cls):
+    with _classes_lock:
+        if cls not in _classes:
+            # Same name and module as the wrapped class, so a saved model
+            # records the plain optimizer and loads without MaTEx.
+            sub = type(cls.__name__, (_DistributedMixin, cls), {})
+            sub.__qualname__ = cls.__qualname__
+            sub.__module__ = cls.__module__
+            _classes[cls] = sub
+        return _classes[cls]
+
+
+def is_distributed(optimizer):
+    """Whether ``optimizer`` already averages its gradients over ranks."""
+    return isinstance(optimizer, _DistributedMixin)
+
+
+def DistributedOptimizer(optimizer, op="average", fusion_threshold=None):
+    """Make a Keras 3 optimizer average gradients over all ranks before updating.
+
+    Args:
+      optimizer: an optimizer instance, an optimizer class, or a name such as
+        ``"adam"``. An instance is converted in place (its state is kept) and
+        returned.
+      op: how gradients are combined: "average" (default) or "sum".
+      fusion_threshold: bucket size in bytes for fusing small gradients into
+        one allreduce; default ``MATEX_FUSION_THRESHOLD`` or 16 MiB; 0 sends
+        each gradient alone.
+    Returns:
+      The distributed optimizer; use it exactly like the original, with
+      ``model.compile``/``fit`` or ``apply_gradients``/``apply``.
+
+    Example:
+      >>> model.compile(optimizer=matex.DistributedOptimizer(keras.optimizers.Adam(1e-3)),
+      ...               loss="sparse_categorical_crossentropy")
+    """
+    import keras
+
+    if op not in ("average", "sum"):
+        raise ValueError("DistributedOptimizer op must be 'average' or 'sum', not %r" % op)
+    if isinstance(optimizer, str):
+        optimizer = keras.optimizers.get(optimizer)
+    elif isinstance(optimizer, type):
+        optimizer = optimizer()
+    if not isinstance(optimizer, keras.optimizers.Optimizer):
+        raise TypeError("DistributedOptimizer needs a Keras 3 optimizer, got %r" % (optimizer,))
+    if is_distributed(optimizer):
+        return optimizer
+    _patch_keras_trainer()
+    optimizer.__class__ = _distributed_class(type(optimizer))
+    object.__setattr__(optimizer, "_matex", _State(op, fusion_threshold))
+    return optimizer
+
+
+# ---- XLA: keep forward/backward compiled, reduce outside the cluster --------
+
+def _split_xla_step(model):
+    """A train step whose compute is XLA-compiled and whose allreduce is not."""
+    optimizer = model.optimizer
+    state = optimizer._matex
+    traced = {}  # what the XLA part produced, recorded at trace time
+
+    def compute(data):
+        state.capture = []
+        try:
+            logs = model.train_step(data)
+            captured = state.capture
+        finally:
+            state.capture = None
+        grads, variables = captured[0] if captured else ([], [])
+        traced["present"] = [i for i, g in enumerate(grads) if g is not None]
+        traced["variables"] = list(variables)
+        return logs, [g for g in grads if g is not None]
+
+    compute = tf.function(compute, jit_compile=True, reduce_retracing=True)
+
+    def step(data):
+        logs, present = compute(data)
+        variables = traced["variables"]
+        if variables:
+            grads = [None] * len(variables)
+            for i, g in zip(traced["present"], present):
+                grads[i] = g
+            optimizer.apply(grads, variables)
+        return logs
+
+    return step
+
+
+def _patch_keras_trainer():
+    """Route ``fit``'s step through ``_split_xla_step`` for distributed optimizers."""
+    from keras.src.backend.tensorflow import trainer as tf_trainer
+
+    cls = tf_trainer.TensorFlowTrainer
+    if getattr(cls, "_matex_patched", False):
+        return
+    original = cls.make_train_function
+
+    def make_train_function(self, force=False):
+        if (self.train_function is None or force) and is_distributed(
+                getattr(self, "optimizer", None)) and not self.run_eagerly and self.jit_compile:
+            jit = self._jit_compile
+            self._jit_compile = False  # the outer step; compute inside stays XLA
+            try:
+                self.train_function = self._make_function(_split_xla_step(self))
+            finally:
+                self._jit_compile = jit
+            return self.train_function
+        return original(self, force)
+
+    cls.make_train_function = make_train_function
+    cls._matex_patched = True

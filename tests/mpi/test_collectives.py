@@ -1,0 +1,294 @@
+"""Every collective x dtype x reduce op against NumPy, eager and in tf.function."""
+
+import time
+
+import ml_dtypes
+import numpy as np
+import pytest
+import tensorflow as tf
+
+import matex
+from matex import _collectives, _fusion, _native, _runtime
+
+R, N = matex.rank(), matex.size()
+DTYPES = [tf.float16, tf.bfloat16, tf.float32, tf.float64, tf.int32, tf.int64]
+OPS = ["sum", "average", "min", "max"]
+MODES = ["eager", "function"]
+
+
+def np_dtype(dtype):
+    return ml_dtypes.bfloat16 if dtype == tf.bfloat16 else dtype.as_numpy_dtype
+
+
+def rank_values(r, shape, dtype):
+    """Rank r's input: small integers, exact in every dtype."""
+    rng = np.random.default_rng(1000 + r)
+    return rng.integers(-20, 21, size=shape).astype(np.float64)
+
+
+def expected_reduce(op, shape, dtype):
+    stack = np.stack([rank_values(r, shape, dtype) for r in range(N)])
+    if op == "sum":
+        return stack.sum(0)
+    if op == "min":
+        return stack.min(0)
+    if op == "max":
+        return stack.max(0)
+    if dtype.is_integer:
+        return np.trunc(stack.sum(0) / N)   # C division truncates toward zero
+    return stack.sum(0) / N
+
+
+def run(mode, fn, *args):
+    if mode == "function":
+        return tf.function(fn)(*args)
+    return fn(*args)
+
+
+def tolerance(dtype):
+    return {tf.float16: 1e-3, tf.bfloat16: 1e-2, tf.float32: 1e-6}.get(dtype, 1e-12)
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("op", OPS)
+@pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: d.name)
+def test_allreduce(dtype, op, mode):
+    shape = (3, 5)
+    x = tf.constant(rank_values(R, shape, dtype).astype(np_dtype(dtype)))
+    got = run(mode, lambda t: matex.allreduce(t, op=op), x)
+    assert got.dtype == dtype and got.shape == shape
+    want = expected_reduce(op, shape, dtype)
+    np.testing.assert_allclose(got.numpy().astype(np.float64), want, rtol=tolerance(dtype))
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: d.name)
+def test_grouped_allreduce(dtype, mode):
+    shapes = [(4,), (2, 3), (1,), (5, 1, 2)]
+    xs = [tf.constant(rank_values(R + 7 * i, s, dtype).astype(np_dtype(dtype)))
+          for i, s in enumerate(shapes)]
+    got = run(mode, lambda *ts: _collectives.grouped_allreduce(list(ts), op="sum"), *xs)
+    for i, (g, s) in enumerate(zip(got, shapes)):
+        want = sum(rank_values(r + 7 * i, s, dtype) for r in range(N))
+        np.testing.assert_allclose(g.numpy().astype(np.float64), want, rtol=tolerance(dtype))
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: d.name)
+@pytest.mark.parametrize("root", ["first", "last"])
+def test_broadcast(dtype, root, mode):
+    root = 0 if root == "first" else N - 1
+    x = tf.constant(rank_values(R, (2, 3), dtype).astype(np_dtype(dtype)))
+    got = run(mode, lambda t: matex.broadcast(t, root=root), x)
+    np.testing.assert_array_equal(got.numpy().astype(np.float64),
+                                  rank_values(root, (2, 3), dtype))
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: d.name)
+def test_allgather_uneven_first_dims(dtype, mode):
+    # rank r contributes r+1 rows (rank 0 one row, ...); rows are all distinct
+    x = tf.constant(rank_values(R, (R + 1, 2, 2), dtype).astype(np_dtype(dtype)))
+    got = run(mode, matex.allgather, x)
+    want = np.concatenate([rank_values(r, (r + 1, 2, 2), dtype) for r in range(N)])
+    assert got.shape == want.shape
+    np.testing.assert_array_equal(got.numpy().astype(np.float64), want)
+
+
+def test_allgather_empty_rank():
+    x = tf.ones([0 if R == 0 else 2, 3])
+    got = matex.allgather(x)
+    assert got.shape == (2 * (N - 1), 3)
+
+
+def test_allreduce_gradient_sum_and_average():
+    x = tf.Variable(rank_values(R, (4,), tf.float32).astype(np.float32))
+    with tf.GradientTape(persistent=True) as tape:
+        s = tf.reduce_sum(matex.allreduce(x, "sum") * (R + 1.0))
+        a = tf.reduce_sum(matex.allreduce(x, "average") * (R + 1.0))
+    # d/dx_r of sum_r' (r'+1) * sum(allreduce) = sum_r' (r'+1) on every rank
+    total = sum(r + 1.0 for r in range(N))
+    np.testing.assert_allclose(tape.gradient(s, x).numpy(), np.full(4, total))
+    np.testing.assert_allclose(tape.gradient(a, x).numpy(), np.full(4, total / N), rtol=1e-6)
+
+
+def test_allreduce_gradient_max_goes_to_argmax_rank():
+    x = tf.Variable([float(R), float(-R)])
+    with tf.GradientTape() as tape:
+        y = tf.reduce_sum(matex.allreduce(x, "max"))
+    g = tape.gradient(y, x).numpy()
+    # element 0: max held by the last rank; element 1: by rank 0; N ranks each add 1
+    np.testing.assert_array_equal(g, [N if R == N - 1 else 0, N if R == 0 else 0])
+
+
+def test_broadcast_gradient_goes_to_root():
+    root = N - 1
+    x = tf.Variable([1.0, 2.0])
+    with tf.GradientTape() as tape:
+        y = tf.reduce_sum(matex.broadcast(x, root=root) * (R + 1.0))
+    g = tape.gradient(y, x).numpy()
+    total = sum(r + 1.0 for r in range(N))
+    np.testing.assert_allclose(g, [total, total] if R == root else [0.0, 0.0])
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_allgather_gradient(mode):
+    x = tf.Variable(np.full((R + 1, 2), R + 1.0, np.float32))
+
+    def grad():
+        with tf.GradientTape() as tape:
+            g = matex.allgather(x)
+            y = tf.reduce_sum(g * g)
+        return tape.gradient(y, x)
+
+    got = run(mode, grad).numpy()
+    # y = sum of squares of all rows, identical on all N ranks; d/dx_r = N * 2 * x_r
+    np.testing.assert_allclose(got, N * 2.0 * (R + 1.0) * np.ones((R + 1, 2)))
+
+
+@pytest.mark.parametrize("what", ["shape", "dtype", "op"])
+def test_mismatch_fails_on_every_rank_quickly(what):
+    started = time.time()
+    if what == "shape":
+        x, op = tf.ones([R + 2]), "sum"
+    elif what == "dtype":
+        x, op = tf.ones([3], tf.float32 if R == 0 else tf.float64), "sum"
+    else:
+        x, op = tf.ones([3]), "sum" if R == 0 else "max"
+    with pytest.raises(tf.errors.InvalidArgumentError) as info:
+        matex.allreduce(x, op=op)
+    assert time.time() - started < 10
+    message = str(info.value)
+    assert "ranks disagree" in message
+    for r in range(N):
+        assert "rank %d:" % r in message
+    # the communicator is still usable afterwards
+    assert float(matex.allreduce(tf.constant(1.0), "sum")) == N
+
+
+def test_broadcast_shape_mismatch_fails_everywhere():
+    with pytest.raises(tf.errors.InvalidArgumentError, match="broadcast"):
+        matex.broadcast(tf.ones([2 + (R == 0)]), root=0)
+
+
+def test_bad_root_and_bad_op_and_dtype():
+    with pytest.raises(tf.errors.InternalError, match="root"):
+        matex.broadcast(tf.ones([2]), root=N)
+    with pytest.raises(ValueError, match="op must be one of"):
+        matex.allreduce(tf.ones([2]), op="mean")
+    with pytest.raises(TypeError, match="does not support dtype uint8"):
+        matex.allreduce(tf.ones([2], tf.uint8))
+
+
+def test_order_is_program_order_inside_tf_function():
+    # 40 independent collectives of different shapes: if TF ran them in a
+    # different order on some rank, the agreement check would fail the call.
+    @tf.function
+    def many(x):
+        outs = []
+        for i in range(40):
+            t = tf.fill([i + 1], x)
+            outs.append(matex.allreduce(t, "sum") if i % 3 else matex.broadcast(t, root=0))
+        return outs
+
+    for _ in range(5):
+        outs = many(tf.constant(1.0))
+    for i, o in enumerate(outs):
+        assert o.shape == (i + 1,)
+    graph = many.get_concrete_function(tf.constant(1.0)).graph
+    coll = [op for op in graph.get_operations() if op.type.startswith("Matex")]
+    assert len(coll) == 40
+    for prev, op in zip(coll, coll[1:]):
+        assert prev in op.control_inputs, "%s is not ordered after %s" % (op.name, prev.name)
+
+
+def test_fusion_packs_200_small_tensors_into_one_allreduce():
+    core = _runtime._core()
+    grads = [tf.fill([256], float(R + i)) for i in range(200)]
+    before = core.collective_call_count()
+    fused = _fusion.allreduce_gradients(grads, "average", threshold=1 << 20)
+    fused_calls = core.collective_call_count() - before
+    before = core.collective_call_count()
+    unfused = _fusion.allreduce_gradients(grads, "average", threshold=0)
+    unfused_calls = core.collective_call_count() - before
+    assert fused_calls == 2          # one agreement check + one data allreduce
+    assert unfused_calls == 400
+    for i, (f, u) in enumerate(zip(fused, unfused)):
+        want = sum(r + i for r in range(N)) / N
+        np.testing.assert_allclose(f.numpy(), want, rtol=1e-6)
+        np.testing.assert_array_equal(f.numpy(), u.numpy())
+
+
+def test_fusion_buckets_follow_backprop_order_and_threshold():
+    ts = [tf.zeros([256]) for _ in range(5)] + [tf.zeros([10], tf.float64)]
+    buckets = _fusion.plan_buckets(ts, threshold=2 * 1024)
+    # reverse order; the float64 tensor alone; 1 KiB each -> two per bucket
+    assert buckets == [[5], [4, 3], [2, 1], [0]]
+
+
+def test_overlap_bucket_depends_only_on_its_gradients():
+    # In a traced step, the first bucket's allreduce must not wait for the
+    # gradients of earlier layers: that is what lets it overlap with backprop.
+    layers = [tf.Variable(tf.ones([64, 64]) * 0.01) for _ in range(4)]
+
+    @tf.function
+    def step(x):
+        with tf.GradientTape() as tape:
+            h = x
+            for w in layers:
+                h = tf.tanh(h @ w)
+            loss = tf.reduce_sum(h)
+        grads = tape.gradient(loss, layers)
+        return _fusion.allreduce_gradients(grads, "average", threshold=64 * 64 * 4)
+
+    graph = step.get_concrete_function(tf.ones([8, 64])).graph
+    ops = [op for op in graph.get_operations() if op.type == "MatexAllreduce"]
+    assert len(ops) == 4
+
+    def ancestors(op):
+        seen, todo = set(), [op]
+        while todo:
+            o = todo.pop()
+            for t in list(o.inputs) + list(o.control_inputs):
+                src = t.op if hasattr(t, "op") else t
+                if src not in seen:
+                    seen.add(src)
+                    todo.append(src)
+        return seen
+
+    first = ancestors(ops[0])   # gradient of the last layer
+    last_grad_op = ops[-1].inputs[0].op   # gradient of the first layer
+    assert last_grad_op not in first
+
+
+@pytest.mark.skipif(N < 2, reason="needs two groups of ranks")
+@pytest.mark.parametrize("mode", MODES)
+def test_mpi_failure_is_a_tf_error_carrying_the_mpi_error_class(mode):
+    from mpi4py import MPI
+
+    # MPI_IN_PLACE is erroneous on an intercommunicator: MPI itself reports it.
+    color = R % 2
+    local = matex.comm().Split(color, R)
+    inter = local.Create_intercomm(0, matex.comm(), 1 - color, tag=7)
+    inter.Set_errhandler(MPI.ERRORS_RETURN)
+    core = _runtime._core()
+    core.set_communicator(MPI._handleof(inter))
+    try:
+        with pytest.raises(tf.errors.UnavailableError) as info:
+            matex.allreduce(tf.ones([3]), "sum")
+    finally:
+        core.set_communicator(MPI._handleof(matex.comm()))
+        inter.Free()
+        local.Free()
+    cls = matex.mpi_error_class(info.value)
+    assert cls is not None and cls > 0 and cls != MPI.SUCCESS
+    assert "MPI error class %d" % cls in str(info.value)
+    assert matex.mpi_error_class(tf.errors.UnavailableError(None, None, "other")) is None
+    assert float(matex.allreduce(tf.constant(2.0), "sum")) == 2 * N
+
+
+def test_size_and_rank_ops_follow_the_communicator():
+    rank, size = _collectives.comm_info()
+    assert (int(rank), int(size)) == (R, N)
+    assert matex.local_size() >= 1 and 0 <= matex.local_rank() < matex.local_size()
+    assert _native.core() is _runtime._core()

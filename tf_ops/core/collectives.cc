@@ -1,0 +1,467 @@
+// MPI collectives of the MaTEx core. See matex_core.h for the contract.
+#include <mpi.h>
+
+#include <algorithm>
+#include <atomic>
+#include <climits>
+#include <cstring>
+#include <mutex>
+#include <sstream>
+#include <type_traits>
+
+#include "half.h"
+#include "matex_core.h"
+
+namespace matex {
+namespace {
+
+std::mutex g_comm_mutex;              // guards g_comm
+std::intptr_t g_comm = 0;
+std::mutex g_collective_mutex;        // one collective at a time per process
+std::atomic<bool> g_check{true};
+std::atomic<int64_t> g_calls{0};
+
+// MPI_Comm is a pointer in Open MPI and an int in MPICH; mpi4py hands either
+// over as an integer.
+template <typename C>
+C HandleTo(std::intptr_t handle) {
+  if constexpr (std::is_pointer<C>::value) {
+    return reinterpret_cast<C>(handle);
+  } else {
+    return static_cast<C>(handle);
+  }
+}
+
+MPI_Comm ToComm(std::intptr_t handle) { return HandleTo<MPI_Comm>(handle); }
+
+Status MpiFailure(int rc, const char* what) {
+  int cls = rc;
+  MPI_Error_class(rc, &cls);
+  char text[MPI_MAX_ERROR_STRING];
+  int len = 0;
+  if (MPI_Error_string(rc, text, &len) != MPI_SUCCESS) len = 0;
+  std::ostringstream msg;
+  msg << what << " failed: " << std::string(text, len) << " (MPI error class "
+      << cls << ")";
+  return Status::Mpi(cls, msg.str());
+}
+
+#define MATEX_MPI(call, what)                             \
+  do {                                                    \
+    int rc_ = (call);                                     \
+    if (rc_ != MPI_SUCCESS) return MpiFailure(rc_, what); \
+  } while (0)
+
+// A collective call: counted, for tests and benchmarks.
+#define MATEX_COLL(call, what)                          \
+  do {                                                  \
+    g_calls.fetch_add(1, std::memory_order_relaxed);    \
+    MATEX_MPI(call, what);                              \
+  } while (0)
+
+// The communicator for one collective, read once under the lock.
+Status CurrentComm(MPI_Comm* comm) {
+  std::intptr_t handle;
+  {
+    std::lock_guard<std::mutex> lock(g_comm_mutex);
+    handle = g_comm;
+  }
+  if (handle == 0) {
+    return Status::Invalid(
+        "no communicator set: call matex.init() before using the ops");
+  }
+  *comm = ToComm(handle);
+  return Status::Ok();
+}
+
+// ---- reduction operators for 16-bit floats (MPI has none) ----------------
+
+template <float (*ToF)(uint16_t), uint16_t (*FromF)(float), int kOp>
+void HalfReduce(void* in, void* inout, int* len, MPI_Datatype*) {
+  const uint16_t* a = static_cast<const uint16_t*>(in);
+  uint16_t* b = static_cast<uint16_t*>(inout);
+  for (int i = 0; i < *len; ++i) {
+    float x = ToF(a[i]), y = ToF(b[i]);
+    float r = kOp == 0 ? x + y : (kOp == 1 ? std::min(x, y) : std::max(x, y));
+    b[i] = FromF(r);
+  }
+}
+
+struct HalfOps {
+  MPI_Op f16[3];
+  MPI_Op bf16[3];
+};
+
+const HalfOps& GetHalfOps() {
+  static HalfOps ops = [] {
+    HalfOps h;
+    using namespace half;
+    MPI_Op_create(&HalfReduce<Float16ToFloat, FloatToFloat16, 0>, 1, &h.f16[0]);
+    MPI_Op_create(&HalfReduce<Float16ToFloat, FloatToFloat16, 1>, 1, &h.f16[1]);
+    MPI_Op_create(&HalfReduce<Float16ToFloat, FloatToFloat16, 2>, 1, &h.f16[2]);
+    MPI_Op_create(&HalfReduce<BFloat16ToFloat, FloatToBFloat16, 0>, 1, &h.bf16[0]);
+    MPI_Op_create(&HalfReduce<BFloat16ToFloat, FloatToBFloat16, 1>, 1, &h.bf16[1]);
+    MPI_Op_create(&HalfReduce<BFloat16ToFloat, FloatToBFloat16, 2>, 1, &h.bf16[2]);
+    return h;
+  }();
+  return ops;
+}
+
+MPI_Datatype MpiType(DataType dtype) {
+  switch (dtype) {
+    case DataType::kFloat16:
+    case DataType::kBFloat16: return MPI_UINT16_T;
+    case DataType::kFloat32: return MPI_FLOAT;
+    case DataType::kFloat64: return MPI_DOUBLE;
+    case DataType::kInt32: return MPI_INT32_T;
+    case DataType::kInt64: return MPI_INT64_T;
+  }
+  return MPI_DATATYPE_NULL;
+}
+
+MPI_Op MpiOp(DataType dtype, ReduceOp op) {
+  int k = (op == ReduceOp::kMin) ? 1 : (op == ReduceOp::kMax) ? 2 : 0;
+  if (dtype == DataType::kFloat16) return GetHalfOps().f16[k];
+  if (dtype == DataType::kBFloat16) return GetHalfOps().bf16[k];
+  return k == 0 ? MPI_SUM : (k == 1 ? MPI_MIN : MPI_MAX);
+}
+
+// Divide a summed buffer by the number of ranks (integers truncate, as C does).
+template <typename T>
+void DivideBy(T* p, int64_t n, int size) {
+  for (int64_t i = 0; i < n; ++i) p[i] = static_cast<T>(p[i] / size);
+}
+
+template <float (*ToF)(uint16_t), uint16_t (*FromF)(float)>
+void DivideHalf(uint16_t* p, int64_t n, int size) {
+  for (int64_t i = 0; i < n; ++i) p[i] = FromF(ToF(p[i]) / float(size));
+}
+
+void Average(void* data, int64_t n, DataType dtype, int size) {
+  if (size == 1) return;
+  switch (dtype) {
+    case DataType::kFloat16:
+      DivideHalf<half::Float16ToFloat, half::FloatToFloat16>(
+          static_cast<uint16_t*>(data), n, size);
+      break;
+    case DataType::kBFloat16:
+      DivideHalf<half::BFloat16ToFloat, half::FloatToBFloat16>(
+          static_cast<uint16_t*>(data), n, size);
+      break;
+    case DataType::kFloat32: DivideBy(static_cast<float*>(data), n, size); break;
+    case DataType::kFloat64: DivideBy(static_cast<double*>(data), n, size); break;
+    case DataType::kInt32: DivideBy(static_cast<int32_t*>(data), n, size); break;
+    case DataType::kInt64: DivideBy(static_cast<int64_t*>(data), n, size); break;
+  }
+}
+
+// In-place allreduce of `count` elements, in chunks that fit MPI's int count.
+Status AllreduceInPlace(MPI_Comm comm, void* data, int64_t count,
+                        DataType dtype, ReduceOp op) {
+  const size_t esize = DataTypeSize(dtype);
+  const int64_t kChunk = INT_MAX / 2;
+  char* p = static_cast<char*>(data);
+  for (int64_t done = 0; done < count; done += kChunk) {
+    int n = static_cast<int>(std::min(kChunk, count - done));
+    MATEX_COLL(MPI_Allreduce(MPI_IN_PLACE, p + done * esize, n, MpiType(dtype),
+                            MpiOp(dtype, op), comm),
+              "MPI_Allreduce");
+  }
+  return Status::Ok();
+}
+
+// ---- cross-rank agreement --------------------------------------------------
+
+enum class Kind : int64_t { kAllreduce = 1, kFused = 2, kBroadcast = 3, kAllgather = 4 };
+
+struct Signature {
+  uint64_t hash = 1469598103934665603ull;  // FNV-1a
+  std::string text;                        // human description, for errors
+  void Add(int64_t v) {
+    for (int i = 0; i < 8; ++i) {
+      hash ^= uint64_t((v >> (8 * i)) & 0xff);
+      hash *= 1099511628211ull;
+    }
+  }
+};
+
+std::string ShapeText(DataType dtype, const std::vector<int64_t>& shape,
+                      bool skip_first) {
+  std::ostringstream s;
+  s << DataTypeName(dtype) << "[";
+  for (size_t i = 0; i < shape.size(); ++i) {
+    if (i) s << ",";
+    if (i == 0 && skip_first) s << "*"; else s << shape[i];
+  }
+  s << "]";
+  return s.str();
+}
+
+Signature MakeSignature(Kind kind, DataType dtype, int64_t param,
+                        const std::vector<const std::vector<int64_t>*>& shapes) {
+  Signature sig;
+  sig.Add(int64_t(kind));
+  sig.Add(int64_t(dtype));
+  sig.Add(param);
+  sig.Add(int64_t(shapes.size()));
+  bool skip_first = kind == Kind::kAllgather;
+  for (const auto* shape : shapes) {
+    sig.Add(int64_t(shape->size()));
+    for (size_t i = skip_first ? 1 : 0; i < shape->size(); ++i) sig.Add((*shape)[i]);
+  }
+  std::ostringstream t;
+  switch (kind) {
+    case Kind::kAllreduce: t << "allreduce(" << ReduceOpName(ReduceOp(param)) << ") of "; break;
+    case Kind::kFused: t << "fused allreduce(" << ReduceOpName(ReduceOp(param)) << ") of "; break;
+    case Kind::kBroadcast: t << "broadcast(root=" << param << ") of "; break;
+    case Kind::kAllgather: t << "allgather of "; break;
+  }
+  if (shapes.size() == 1) {
+    t << ShapeText(dtype, *shapes[0], skip_first);
+  } else {
+    int64_t total = 0;
+    for (const auto* s : shapes) {
+      int64_t n = 1;
+      for (int64_t d : *s) n *= d;
+      total += n;
+    }
+    t << shapes.size() << " " << DataTypeName(dtype) << " tensors (" << total
+      << " elements)";
+  }
+  sig.text = t.str();
+  return sig;
+}
+
+// One tiny allreduce: every rank learns whether all ranks are about to run the
+// same collective on tensors of the same dtype and shape. On disagreement all
+// ranks gather each other's descriptions and fail with the same message.
+Status Agree(MPI_Comm comm, const Signature& sig) {
+  if (!g_check.load(std::memory_order_relaxed)) return Status::Ok();
+  int64_t h = int64_t(sig.hash >> 2);  // non-negative, so -h cannot overflow
+  int64_t v[2] = {h, -h};
+  MATEX_COLL(MPI_Allreduce(MPI_IN_PLACE, v, 2, MPI_INT64_T, MPI_MAX, comm),
+            "MPI_Allreduce (agreement check)");
+  if (v[0] == -v[1]) return Status::Ok();
+  const int kLen = 160;
+  int size = 0;
+  MATEX_MPI(MPI_Comm_size(comm, &size), "MPI_Comm_size");
+  std::vector<char> mine(kLen, 0), all(size_t(kLen) * size, 0);
+  std::strncpy(mine.data(), sig.text.c_str(), kLen - 1);
+  MATEX_COLL(MPI_Allgather(mine.data(), kLen, MPI_CHAR, all.data(), kLen,
+                          MPI_CHAR, comm),
+            "MPI_Allgather (agreement report)");
+  std::ostringstream msg;
+  msg << "ranks disagree on the collective to run (a different op, dtype or "
+         "shape on some rank, or collectives issued in a different order): ";
+  for (int r = 0; r < size; ++r) {
+    msg << (r ? "; " : "") << "rank " << r << ": "
+        << std::string(all.data() + size_t(r) * kLen);
+  }
+  return Status::Mismatch(msg.str());
+}
+
+}  // namespace
+
+// ---- public API ------------------------------------------------------------
+
+size_t DataTypeSize(DataType dtype) {
+  switch (dtype) {
+    case DataType::kFloat16:
+    case DataType::kBFloat16: return 2;
+    case DataType::kFloat32:
+    case DataType::kInt32: return 4;
+    case DataType::kFloat64:
+    case DataType::kInt64: return 8;
+  }
+  return 0;
+}
+
+const char* DataTypeName(DataType dtype) {
+  switch (dtype) {
+    case DataType::kFloat16: return "float16";
+    case DataType::kBFloat16: return "bfloat16";
+    case DataType::kFloat32: return "float32";
+    case DataType::kFloat64: return "float64";
+    case DataType::kInt32: return "int32";
+    case DataType::kInt64: return "int64";
+  }
+  return "?";
+}
+
+const char* ReduceOpName(ReduceOp op) {
+  switch (op) {
+    case ReduceOp::kSum: return "sum";
+    case ReduceOp::kAverage: return "average";
+    case ReduceOp::kMin: return "min";
+    case ReduceOp::kMax: return "max";
+  }
+  return "?";
+}
+
+int64_t TensorRef::num_elements() const {
+  int64_t n = 1;
+  for (int64_t d : shape) n *= d;
+  return n;
+}
+
+void SetCommunicator(std::intptr_t handle) {
+  std::lock_guard<std::mutex> lock(g_comm_mutex);
+  g_comm = handle;
+}
+
+std::intptr_t GetCommunicator() {
+  std::lock_guard<std::mutex> lock(g_comm_mutex);
+  return g_comm;
+}
+
+void SetAgreementCheck(bool enabled) { g_check.store(enabled); }
+bool AgreementCheck() { return g_check.load(); }
+int64_t CollectiveCallCount() { return g_calls.load(); }
+
+Status CommInfo(int* rank, int* size) {
+  MPI_Comm comm;
+  Status s = CurrentComm(&comm);
+  if (!s.ok()) return s;
+  int rc = MPI_Comm_rank(comm, rank);
+  if (rc != MPI_SUCCESS) return MpiFailure(rc, "MPI_Comm_rank");
+  rc = MPI_Comm_size(comm, size);
+  if (rc != MPI_SUCCESS) return MpiFailure(rc, "MPI_Comm_size");
+  return Status::Ok();
+}
+
+Status Allreduce(const TensorRef& in, void* out, DataType dtype, ReduceOp op) {
+  std::lock_guard<std::mutex> serial(g_collective_mutex);
+  MPI_Comm comm;
+  Status s = CurrentComm(&comm);
+  if (!s.ok()) return s;
+  s = Agree(comm, MakeSignature(Kind::kAllreduce, dtype, int64_t(op), {&in.shape}));
+  if (!s.ok()) return s;
+  const int64_t n = in.num_elements();
+  if (n == 0) return Status::Ok();
+  if (out != in.data) std::memcpy(out, in.data, size_t(n) * DataTypeSize(dtype));
+  s = AllreduceInPlace(comm, out, n, dtype, op);
+  if (!s.ok()) return s;
+  if (op == ReduceOp::kAverage) {
+    int size = 1;
+    MATEX_MPI(MPI_Comm_size(comm, &size), "MPI_Comm_size");
+    Average(out, n, dtype, size);
+  }
+  return Status::Ok();
+}
+
+Status FusedAllreduce(const std::vector<TensorRef>& ins,
+                      const std::vector<void*>& outs, DataType dtype,
+                      ReduceOp op, void* scratch) {
+  if (ins.size() != outs.size()) {
+    return Status::Invalid("fused allreduce: inputs and outputs differ in number");
+  }
+  std::lock_guard<std::mutex> serial(g_collective_mutex);
+  MPI_Comm comm;
+  Status s = CurrentComm(&comm);
+  if (!s.ok()) return s;
+  std::vector<const std::vector<int64_t>*> shapes;
+  for (const auto& t : ins) shapes.push_back(&t.shape);
+  s = Agree(comm, MakeSignature(Kind::kFused, dtype, int64_t(op), shapes));
+  if (!s.ok()) return s;
+  const size_t esize = DataTypeSize(dtype);
+  int64_t total = 0;
+  for (const auto& t : ins) total += t.num_elements();
+  if (total == 0) return Status::Ok();
+  char* buf = static_cast<char*>(scratch);
+  int64_t off = 0;
+  for (const auto& t : ins) {
+    size_t bytes = size_t(t.num_elements()) * esize;
+    if (bytes) std::memcpy(buf + off, t.data, bytes);
+    off += int64_t(bytes);
+  }
+  s = AllreduceInPlace(comm, buf, total, dtype, op);
+  if (!s.ok()) return s;
+  if (op == ReduceOp::kAverage) {
+    int size = 1;
+    MATEX_MPI(MPI_Comm_size(comm, &size), "MPI_Comm_size");
+    Average(buf, total, dtype, size);
+  }
+  off = 0;
+  for (size_t i = 0; i < ins.size(); ++i) {
+    size_t bytes = size_t(ins[i].num_elements()) * esize;
+    if (bytes) std::memcpy(outs[i], buf + off, bytes);
+    off += int64_t(bytes);
+  }
+  return Status::Ok();
+}
+
+Status Broadcast(void* data, const std::vector<int64_t>& shape, DataType dtype,
+                 int root) {
+  std::lock_guard<std::mutex> serial(g_collective_mutex);
+  MPI_Comm comm;
+  Status s = CurrentComm(&comm);
+  if (!s.ok()) return s;
+  int size = 0;
+  MATEX_MPI(MPI_Comm_size(comm, &size), "MPI_Comm_size");
+  if (root < 0 || root >= size) {
+    // Every rank sees the same root and size, so every rank fails alike.
+    return Status::Invalid("broadcast root " + std::to_string(root) +
+                           " is not a rank of a communicator of size " +
+                           std::to_string(size));
+  }
+  s = Agree(comm, MakeSignature(Kind::kBroadcast, dtype, root, {&shape}));
+  if (!s.ok()) return s;
+  int64_t n = 1;
+  for (int64_t d : shape) n *= d;
+  int64_t bytes = n * int64_t(DataTypeSize(dtype));
+  char* p = static_cast<char*>(data);
+  const int64_t kChunk = INT_MAX / 2;
+  for (int64_t done = 0; done < bytes; done += kChunk) {
+    int len = static_cast<int>(std::min(kChunk, bytes - done));
+    MATEX_COLL(MPI_Bcast(p + done, len, MPI_BYTE, root, comm), "MPI_Bcast");
+  }
+  return Status::Ok();
+}
+
+Status Allgather(const TensorRef& in, DataType dtype,
+                 const std::function<void*(int64_t total_rows)>& allocate,
+                 std::vector<int64_t>* first_dims) {
+  if (in.shape.empty()) {
+    return Status::Invalid("allgather needs a tensor of rank >= 1 (got a scalar)");
+  }
+  std::lock_guard<std::mutex> serial(g_collective_mutex);
+  MPI_Comm comm;
+  Status s = CurrentComm(&comm);
+  if (!s.ok()) return s;
+  s = Agree(comm, MakeSignature(Kind::kAllgather, dtype, 0, {&in.shape}));
+  if (!s.ok()) return s;
+  int size = 0;
+  MATEX_MPI(MPI_Comm_size(comm, &size), "MPI_Comm_size");
+  first_dims->assign(size, 0);
+  int64_t mine = in.shape[0];
+  MATEX_COLL(MPI_Allgather(&mine, 1, MPI_INT64_T, first_dims->data(), 1,
+                           MPI_INT64_T, comm),
+             "MPI_Allgather (sizes)");
+  int64_t row_elems = 1;
+  for (size_t i = 1; i < in.shape.size(); ++i) row_elems *= in.shape[i];
+  const int64_t row_bytes = row_elems * int64_t(DataTypeSize(dtype));
+  std::vector<int> counts(size), displs(size);
+  int64_t total = 0;
+  for (int r = 0; r < size; ++r) {
+    if ((*first_dims)[r] > INT_MAX || total > INT_MAX || row_bytes > INT_MAX) {
+      return Status::Invalid("allgather: more than 2^31 rows or a row over 2 GiB");
+    }
+    counts[r] = int((*first_dims)[r]);
+    displs[r] = int(total);
+    total += (*first_dims)[r];
+  }
+  void* out = allocate(total);
+  if (out == nullptr) return Status::Invalid("allgather: output allocation failed");
+  if (row_bytes == 0 || total == 0) return Status::Ok();
+  MPI_Datatype row;
+  MATEX_MPI(MPI_Type_contiguous(int(row_bytes), MPI_BYTE, &row), "MPI_Type_contiguous");
+  MATEX_MPI(MPI_Type_commit(&row), "MPI_Type_commit");
+  g_calls.fetch_add(1, std::memory_order_relaxed);
+  int rc = MPI_Allgatherv(in.data, int(in.shape[0]), row, out, counts.data(),
+                          displs.data(), row, comm);
+  MPI_Type_free(&row);
+  if (rc != MPI_SUCCESS) return MpiFailure(rc, "MPI_Allgatherv");
+  return Status::Ok();
+}
+
+}  // namespace matex

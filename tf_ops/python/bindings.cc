@@ -1,0 +1,167 @@
+// pybind11 module `_matex_core`: the bridge for what is not a TensorFlow op.
+// It hands mpi4py's communicator to the core and exposes the core's
+// collectives on NumPy arrays, so they can be tested without TensorFlow.
+// MPI calls run with the GIL released.
+#include <pybind11/numpy.h>
+#include <pybind11/pybind11.h>
+#include <pybind11/stl.h>
+
+#include <cstring>
+#include <string>
+#include <vector>
+
+#include "matex_core.h"
+
+namespace py = pybind11;
+
+namespace {
+
+py::object g_mpi_error;       // _matex_core.MPIError(message, error_class)
+py::object g_mismatch_error;  // _matex_core.MismatchError(message)
+
+void Raise(const matex::Status& s) {
+  if (s.kind == matex::Status::Kind::kMpiError) {
+    PyErr_SetObject(g_mpi_error.ptr(),
+                    py::make_tuple(s.message, s.mpi_error_class).ptr());
+  } else if (s.kind == matex::Status::Kind::kMismatch) {
+    PyErr_SetString(g_mismatch_error.ptr(), s.message.c_str());
+  } else {
+    PyErr_SetString(PyExc_RuntimeError, s.message.c_str());
+  }
+  throw py::error_already_set();
+}
+
+matex::DataType ParseDtype(const std::string& name) {
+  static const char* names[] = {"float16", "bfloat16", "float32",
+                                "float64", "int32", "int64"};
+  for (int i = 0; i < 6; ++i) {
+    if (name == names[i]) return static_cast<matex::DataType>(i);
+  }
+  throw py::type_error("MaTEx collectives do not support dtype " + name);
+}
+
+matex::ReduceOp ParseOp(const std::string& name) {
+  if (name == "sum") return matex::ReduceOp::kSum;
+  if (name == "average") return matex::ReduceOp::kAverage;
+  if (name == "min") return matex::ReduceOp::kMin;
+  if (name == "max") return matex::ReduceOp::kMax;
+  throw py::value_error("unknown reduce op '" + name +
+                        "' (expected sum, average, min or max)");
+}
+
+matex::TensorRef Ref(const py::array& a) {
+  if (!(a.flags() & py::array::c_style)) {
+    throw py::value_error("array must be C-contiguous");
+  }
+  matex::TensorRef r;
+  r.data = a.data();
+  for (py::ssize_t i = 0; i < a.ndim(); ++i) r.shape.push_back(a.shape(i));
+  return r;
+}
+
+py::array EmptyLike(const py::array& a) {
+  std::vector<py::ssize_t> shape(a.shape(), a.shape() + a.ndim());
+  return py::array(a.dtype(), shape);
+}
+
+py::array Allreduce(const py::array& a, const std::string& dtype,
+                    const std::string& op) {
+  matex::TensorRef in = Ref(a);
+  py::array out = EmptyLike(a);
+  void* dst = out.mutable_data();
+  matex::Status s;
+  {
+    py::gil_scoped_release nogil;
+    s = matex::Allreduce(in, dst, ParseDtype(dtype), ParseOp(op));
+  }
+  if (!s.ok()) Raise(s);
+  return out;
+}
+
+std::vector<py::array> FusedAllreduce(const std::vector<py::array>& arrays,
+                                      const std::string& dtype,
+                                      const std::string& op) {
+  std::vector<matex::TensorRef> ins;
+  std::vector<py::array> outs;
+  std::vector<void*> dsts;
+  py::ssize_t total_bytes = 0;
+  for (const auto& a : arrays) {
+    ins.push_back(Ref(a));
+    outs.push_back(EmptyLike(a));
+    dsts.push_back(outs.back().mutable_data());
+    total_bytes += a.nbytes();
+  }
+  std::vector<char> scratch(size_t(total_bytes) + 1);
+  matex::Status s;
+  {
+    py::gil_scoped_release nogil;
+    s = matex::FusedAllreduce(ins, dsts, ParseDtype(dtype), ParseOp(op),
+                              scratch.data());
+  }
+  if (!s.ok()) Raise(s);
+  return outs;
+}
+
+py::array Broadcast(const py::array& a, const std::string& dtype, int root) {
+  matex::TensorRef in = Ref(a);
+  py::array out = EmptyLike(a);
+  std::memcpy(out.mutable_data(), a.data(), size_t(a.nbytes()));
+  void* dst = out.mutable_data();
+  matex::Status s;
+  {
+    py::gil_scoped_release nogil;
+    s = matex::Broadcast(dst, in.shape, ParseDtype(dtype), root);
+  }
+  if (!s.ok()) Raise(s);
+  return out;
+}
+
+py::array Allgather(const py::array& a, const std::string& dtype) {
+  matex::TensorRef in = Ref(a);
+  std::vector<int64_t> first_dims;
+  // The output is allocated inside the collective, after the sizes are known:
+  // reacquire the GIL only for that.
+  py::array out;
+  auto allocate = [&](int64_t rows) -> void* {
+    py::gil_scoped_acquire gil;
+    std::vector<py::ssize_t> shape(a.shape(), a.shape() + a.ndim());
+    shape[0] = rows;
+    out = py::array(a.dtype(), shape);
+    return out.mutable_data();
+  };
+  matex::Status s;
+  {
+    py::gil_scoped_release nogil;
+    s = matex::Allgather(in, ParseDtype(dtype), allocate, &first_dims);
+  }
+  if (!s.ok()) Raise(s);
+  return out;
+}
+
+}  // namespace
+
+PYBIND11_MODULE(_matex_core, m) {
+  m.doc() = "MaTEx C++ core: communicator state and MPI collectives on NumPy arrays.";
+  g_mpi_error = py::reinterpret_borrow<py::object>(
+      PyErr_NewException("_matex_core.MPIError", PyExc_RuntimeError, nullptr));
+  g_mismatch_error = py::reinterpret_borrow<py::object>(
+      PyErr_NewException("_matex_core.MismatchError", PyExc_ValueError, nullptr));
+  m.attr("MPIError") = g_mpi_error;
+  m.attr("MismatchError") = g_mismatch_error;
+  m.def("set_communicator", &matex::SetCommunicator, py::arg("handle"));
+  m.def("get_communicator", &matex::GetCommunicator);
+  m.def("set_agreement_check", &matex::SetAgreementCheck, py::arg("enabled"));
+  m.def("agreement_check", &matex::AgreementCheck);
+  m.def("collective_call_count", &matex::CollectiveCallCount);
+  m.def("comm_info", [] {
+    int rank = 0, size = 0;
+    matex::Status s = matex::CommInfo(&rank, &size);
+    if (!s.ok()) Raise(s);
+    return py::make_tuple(rank, size);
+  });
+  m.def("allreduce", &Allreduce, py::arg("array"), py::arg("dtype"), py::arg("op"));
+  m.def("fused_allreduce", &FusedAllreduce, py::arg("arrays"), py::arg("dtype"),
+        py::arg("op"));
+  m.def("broadcast", &Broadcast, py::arg("array"), py::arg("dtype"), py::arg("root"));
+  m.def("allgather", &Allgather, py::arg("array"), py::arg("dtype"));
+}
