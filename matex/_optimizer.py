@@ -6,11 +6,9 @@ it reduces the gradients over ranks (fused, see ``_fusion``) and then lets the
 wrapped class apply them. Every rank applies identical averaged gradients to
 identical weights, so weights stay bitwise equal.
 
-The first step starts from rank 0's weights: when the optimizer is built
-eagerly (``model.fit`` builds it before the first step) the trainable
-variables and the optimizer's own variables are broadcast right there, before
-any forward pass; when it is built while tracing a ``tf.function`` (custom
-loops), the broadcast runs inside the first step, before the update.
+The first step starts from rank 0's weights: on the first ``apply`` the
+trainable variables and the optimizer's own variables are broadcast from
+rank 0 (see ``_matex_first_step_sync``).
 
 XLA: a custom op has no XLA kernel. When a model compiled with
 ``jit_compile=True`` trains with this optimizer, ``fit``'s step is split:
@@ -34,20 +32,13 @@ class _State:
     def __init__(self, op, threshold):
         self.op = op
         self.threshold = threshold
-        self.synced = False          # first-step broadcast done eagerly
-        self.pending = None          # tf.Variable flag for an in-graph first-step sync
+        self.synced = False          # first-step broadcast done
+        self.flags = []              # in-graph first-step sync flags
         self.capture = None          # list collecting gradients (XLA split), or None
 
 
 class _DistributedMixin:
     """Methods mixed in front of the wrapped optimizer's class."""
-
-    def build(self, variables):
-        super().build(variables)
-        state = self._matex
-        if not state.synced and tf.executing_eagerly():
-            _collectives.broadcast_variables(list(variables) + list(self.variables), 0)
-            state.synced = True
 
     def apply(self, grads, trainable_variables=None):
         state = self._matex
@@ -60,28 +51,62 @@ class _DistributedMixin:
             if not self.built:
                 self.build(trainable_variables)
                 self.built = True
-        grads = _fusion.allreduce_gradients(grads, state.op, state.threshold)
+        gate = None
         if not state.synced:
-            self._matex_first_step_sync(trainable_variables or self._trainable_variables)
+            gate = self._matex_first_step_sync(trainable_variables or self._trainable_variables)
+        with tf.control_dependencies([gate] if gate is not None else []):
+            grads = _fusion.allreduce_gradients(grads, state.op, state.threshold)
         return super().apply(grads, trainable_variables)
 
     def _matex_first_step_sync(self, variables):
+        """Broadcast rank 0's weights and optimizer state; returns a tensor or None.
+
+        Variables that already hold a value are broadcast eagerly, even while a
+        tf.function is traced (init_scope), so before the first step runs.
+        Variables created inside the trace have no value until the function
+        first runs: those are broadcast in-graph, once, under a tf.cond that is
+        explicitly ordered after the collectives already in the graph; the
+        returned tensor must gate the collectives that follow.
+        """
         state = self._matex
-        if tf.executing_eagerly():
-            _collectives.broadcast_variables(list(variables) + list(self.variables), 0)
-            state.synced = True
-            return
-        if state.pending is None:
-            with tf.init_scope():
-                state.pending = tf.Variable(True, trainable=False, name="matex_pending_sync")
         everything = list(variables) + list(self.variables)
+        with tf.init_scope():
+            ready = [v for v in everything if _has_value(v)]
+            _collectives.broadcast_variables(ready, 0)
+        state.synced = True
+        pending = [v for v in everything if not any(v is r for r in ready)]
+        if not pending:
+            return None
+        with tf.init_scope():
+            flag = tf.Variable(True, trainable=False, name="matex_pending_sync")
+        state.flags.append(flag)  # keep it alive with the optimizer
 
         def sync():
-            _collectives.broadcast_variables(everything, 0)
-            state.pending.assign(False)
+            _collectives.broadcast_variables(pending, 0)
+            flag.assign(False)
             return tf.constant(True)
 
-        tf.cond(state.pending.read_value(), sync, lambda: tf.constant(False))
+        with tf.control_dependencies(_last_collectives(tf.compat.v1.get_default_graph())):
+            return tf.cond(flag.read_value(), sync, lambda: tf.constant(False))
+
+
+def _has_value(variable):
+    """Whether a (Keras or tf) variable can be read eagerly right now."""
+    try:
+        tensor = tf.convert_to_tensor(variable)
+    except (tf.errors.FailedPreconditionError, ValueError, TypeError):
+        return False
+    return tensor.shape == variable.shape
+
+
+def _last_collectives(graph):
+    """The most recent MaTEx collective op in ``graph`` (as a list, maybe empty)."""
+    if tf.executing_eagerly():
+        return []
+    for op in reversed(graph.get_operations()):
+        if op.type.startswith("Matex") and op.type != "MatexCommInfo":
+            return [op]
+    return []
 
 
 def _distributed_class(cls):
