@@ -30,6 +30,21 @@ def make_model(seed):
                              keras.layers.Dense(3)])
 
 
+def make_step(model, opt, tape_wrapper=lambda tape: tape):
+    """A tf.function custom-loop step; returns the loss averaged over ranks."""
+    loss_fn = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+
+    @tf.function
+    def step(xb, yb):
+        with tf.GradientTape() as tape:
+            loss = loss_fn(yb, model(xb, training=True))
+        grads = tape_wrapper(tape).gradient(loss, model.trainable_variables)
+        opt.apply(grads, model.trainable_variables)
+        return matex.allreduce(loss, "average")
+
+    return step
+
+
 @pytest.mark.parametrize("jit", [False, True], ids=["no-xla", "xla-split"])
 def test_fit_keeps_weights_bitwise_equal_and_learns(jit):
     model = make_model(seed=100 + R)
@@ -82,17 +97,9 @@ def test_custom_loop_with_distributed_tape_in_tf_function():
     model = make_model(seed=300 + R)
     matex.broadcast_variables(model.variables, root=0)
     opt = keras.optimizers.SGD(0.1)
-    loss_fn = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
     x, y = rank_data(R)
 
-    @tf.function
-    def step(xb, yb):
-        with tf.GradientTape() as tape:
-            loss = loss_fn(yb, model(xb, training=True))
-        tape = matex.DistributedGradientTape(tape)
-        grads = tape.gradient(loss, model.trainable_variables)
-        opt.apply_gradients(zip(grads, model.trainable_variables))
-        return matex.allreduce(loss, "average")
+    step = make_step(model, opt, tape_wrapper=matex.DistributedGradientTape)
 
     losses = []
     for epoch in range(5):
@@ -106,16 +113,9 @@ def test_custom_loop_with_distributed_tape_in_tf_function():
 def test_custom_loop_distributed_optimizer_syncs_first_step_in_graph():
     model = make_model(seed=400 + R)          # different init per rank, no broadcast
     opt = matex.DistributedOptimizer(keras.optimizers.SGD(0.1))
-    loss_fn = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
     x, y = rank_data(R)
 
-    @tf.function
-    def step(xb, yb):
-        with tf.GradientTape() as tape:
-            loss = loss_fn(yb, model(xb, training=True))
-        grads = tape.gradient(loss, model.trainable_variables)
-        opt.apply(grads, model.trainable_variables)
-        return loss
+    step = make_step(model, opt)
 
     for i in range(0, len(x), 16):
         step(x[i:i + 16], y[i:i + 16])

@@ -155,7 +155,8 @@ void Average(void* data, int64_t n, DataType dtype, int size) {
   }
 }
 
-// In-place allreduce of `count` elements, in chunks that fit MPI's int count.
+// In-place allreduce of `count` elements, in chunks that fit MPI's int count;
+// kAverage then divides by the communicator size.
 Status AllreduceInPlace(MPI_Comm comm, void* data, int64_t count,
                         DataType dtype, ReduceOp op) {
   const size_t esize = DataTypeSize(dtype);
@@ -166,6 +167,11 @@ Status AllreduceInPlace(MPI_Comm comm, void* data, int64_t count,
     MATEX_COLL(MPI_Allreduce(MPI_IN_PLACE, p + done * esize, n, MpiType(dtype),
                             MpiOp(dtype, op), comm),
               "MPI_Allreduce");
+  }
+  if (op == ReduceOp::kAverage) {
+    int size = 1;
+    MATEX_MPI(MPI_Comm_size(comm, &size), "MPI_Comm_size");
+    Average(data, count, dtype, size);
   }
   return Status::Ok();
 }
@@ -339,14 +345,7 @@ Status Allreduce(const TensorRef& in, void* out, DataType dtype, ReduceOp op) {
   const int64_t n = in.num_elements();
   if (n == 0) return Status::Ok();
   if (out != in.data) std::memcpy(out, in.data, size_t(n) * DataTypeSize(dtype));
-  s = AllreduceInPlace(comm, out, n, dtype, op);
-  if (!s.ok()) return s;
-  if (op == ReduceOp::kAverage) {
-    int size = 1;
-    MATEX_MPI(MPI_Comm_size(comm, &size), "MPI_Comm_size");
-    Average(out, n, dtype, size);
-  }
-  return Status::Ok();
+  return AllreduceInPlace(comm, out, n, dtype, op);
 }
 
 Status FusedAllreduce(const std::vector<TensorRef>& ins,
@@ -376,11 +375,6 @@ Status FusedAllreduce(const std::vector<TensorRef>& ins,
   }
   s = AllreduceInPlace(comm, buf, total, dtype, op);
   if (!s.ok()) return s;
-  if (op == ReduceOp::kAverage) {
-    int size = 1;
-    MATEX_MPI(MPI_Comm_size(comm, &size), "MPI_Comm_size");
-    Average(buf, total, dtype, size);
-  }
   off = 0;
   for (size_t i = 0; i < ins.size(); ++i) {
     size_t bytes = size_t(ins[i].num_elements()) * esize;

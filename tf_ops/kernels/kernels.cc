@@ -4,6 +4,7 @@
 // A failed MPI call becomes UNAVAILABLE carrying the MPI error class both as
 // a status payload ("matex.mpi_error_class") and in the message; ranks that
 // disagree on a collective get INVALID_ARGUMENT; anything else is INTERNAL.
+#include <cstring>
 #include <string>
 #include <vector>
 
@@ -70,19 +71,34 @@ matex::TensorRef Ref(const Tensor& t) {
   return r;
 }
 
+// Output 0 with input 0's shape and contents (the input buffer itself when
+// TensorFlow lets us reuse it), for collectives that work in place.
+absl::Status InPlaceOutput(OpKernelContext* ctx, matex::DataType* dtype,
+                           matex::TensorRef* ref) {
+  const Tensor& in = ctx->input(0);
+  TF_RETURN_IF_ERROR(CoreType(in.dtype(), dtype));
+  Tensor* out = nullptr;
+  TF_RETURN_IF_ERROR(ctx->forward_input_or_allocate_output({0}, 0, in.shape(), &out));
+  *ref = Ref(*out);
+  if (ref->data != in.tensor_data().data()) {
+    std::memcpy(const_cast<void*>(ref->data), in.tensor_data().data(),
+                in.tensor_data().size());
+  }
+  return absl::OkStatus();
+}
+
+void* Mutable(const matex::TensorRef& ref) { return const_cast<void*>(ref.data); }
+
 class AllreduceOp : public OpKernel {
  public:
   explicit AllreduceOp(OpKernelConstruction* c) : OpKernel(c) {
     OP_REQUIRES_OK(c, ParseReduceOp(c, &op_));
   }
   void Compute(OpKernelContext* ctx) override {
-    const Tensor& in = ctx->input(0);
     matex::DataType dtype;
-    OP_REQUIRES_OK(ctx, CoreType(in.dtype(), &dtype));
-    Tensor* out = nullptr;
-    OP_REQUIRES_OK(ctx, ctx->forward_input_or_allocate_output({0}, 0, in.shape(), &out));
-    OP_REQUIRES_OK(ctx, ToTf(matex::Allreduce(Ref(in), const_cast<char*>(out->tensor_data().data()),
-                                              dtype, op_),
+    matex::TensorRef ref;
+    OP_REQUIRES_OK(ctx, InPlaceOutput(ctx, &dtype, &ref));
+    OP_REQUIRES_OK(ctx, ToTf(matex::Allreduce(ref, Mutable(ref), dtype, op_),
                              "matex allreduce"));
   }
 
@@ -129,16 +145,10 @@ class BroadcastOp : public OpKernel {
     OP_REQUIRES_OK(c, c->GetAttr("root", &root_));
   }
   void Compute(OpKernelContext* ctx) override {
-    const Tensor& in = ctx->input(0);
     matex::DataType dtype;
-    OP_REQUIRES_OK(ctx, CoreType(in.dtype(), &dtype));
-    Tensor* out = nullptr;
-    OP_REQUIRES_OK(ctx, ctx->forward_input_or_allocate_output({0}, 0, in.shape(), &out));
-    char* data = const_cast<char*>(out->tensor_data().data());
-    if (data != in.tensor_data().data()) {
-      std::memcpy(data, in.tensor_data().data(), in.tensor_data().size());
-    }
-    OP_REQUIRES_OK(ctx, ToTf(matex::Broadcast(data, Ref(in).shape, dtype, root_),
+    matex::TensorRef ref;
+    OP_REQUIRES_OK(ctx, InPlaceOutput(ctx, &dtype, &ref));
+    OP_REQUIRES_OK(ctx, ToTf(matex::Broadcast(Mutable(ref), ref.shape, dtype, root_),
                              "matex broadcast"));
   }
 
