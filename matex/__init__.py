@@ -17,7 +17,7 @@ from matex._runtime import comm, init, local_rank, local_size, rank, size
 __all__ = [
     "init", "rank", "size", "local_rank", "local_size", "comm",
     "allreduce", "broadcast", "allgather", "broadcast_variables",
-    "DistributedOptimizer", "DistributedGradientTape", "mpi_error_class",
+    "DistributedOptimizer", "DistributedGradientTape", "mpi_error_class", "shard",
 ]
 
 _LAZY = {
@@ -28,6 +28,7 @@ _LAZY = {
     "mpi_error_class": "matex._collectives",
     "DistributedOptimizer": "matex._optimizer",
     "DistributedGradientTape": "matex._tape",
+    "shard": "matex._sharding",
 }
 
 

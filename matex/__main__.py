@@ -1,24 +1,108 @@
-"""``python -m matex script.py [args]``: run a script as its own ``__main__``.
+"""``python -m matex [--all-ranks] script.py [args]``: run a script distributed.
 
-``sys.argv``, ``__name__ == "__main__"`` and exit codes behave as when the
-script runs alone. An uncaught exception on any rank prints its traceback and
-aborts the whole MPI job, so the other ranks do not hang in a collective.
+The script runs as its own ``__main__`` (``sys.argv``, ``__name__`` and exit
+codes behave as when it runs alone). When it imports Keras (``import keras``,
+``tf.keras``), Keras is made distributed (``matex._keras_patch``). Ranks other
+than 0 print nothing on stdout unless ``--all-ranks`` is given, in which case
+their lines are prefixed with ``[rank N]``. An uncaught exception on any rank
+prints its traceback and aborts the whole MPI job, so no rank hangs.
 """
 
+import importlib.abc
+import importlib.util
 import os
 import runpy
 import sys
 import traceback
 
 
+class _PatchKerasOnImport(importlib.abc.MetaPathFinder):
+    """Install MaTEx's Keras patches right after Keras is first executed.
+
+    Stays in place until then: TensorFlow probes for Keras with find_spec
+    before importing it.
+    """
+
+    def __init__(self):
+        self.searching = False
+
+    def find_spec(self, name, path, target=None):
+        if name != "keras" or self.searching:
+            return None
+        self.searching = True
+        try:
+            spec = importlib.util.find_spec(name)
+        finally:
+            self.searching = False
+        if spec is None or spec.loader is None:
+            return spec
+        execute = spec.loader.exec_module
+        finder = self
+
+        def exec_module(module):
+            execute(module)
+            if finder in sys.meta_path:
+                sys.meta_path.remove(finder)
+            from matex import _keras_patch
+
+            _keras_patch.install()
+
+        spec.loader.exec_module = exec_module
+        return spec
+
+
+class _Prefixed:
+    """A text stream that prefixes each line with the rank."""
+
+    def __init__(self, stream, prefix):
+        self.stream, self.prefix, self.at_line_start = stream, prefix, True
+
+    def write(self, text):
+        out = []
+        for piece in text.splitlines(keepends=True):
+            if self.at_line_start:
+                out.append(self.prefix)
+            out.append(piece)
+            self.at_line_start = piece.endswith("\n")
+        return self.stream.write("".join(out))
+
+    def __getattr__(self, name):
+        return getattr(self.stream, name)
+
+
+def _rank():
+    for var in ("OMPI_COMM_WORLD_RANK", "PMI_RANK", "PMIX_RANK", "SLURM_PROCID"):
+        if os.environ.get(var, "").isdigit():
+            return int(os.environ[var])
+    return 0
+
+
 def _run(argv):
-    if not argv or argv[0] in ("-h", "--help"):
-        print("usage: python -m matex script.py [args...]", file=sys.stderr)
+    all_ranks = False
+    while argv and argv[0].startswith("-"):
+        if argv[0] == "--all-ranks":
+            all_ranks = True
+            argv = argv[1:]
+        else:
+            print("usage: python -m matex [--all-ranks] script.py [args...]", file=sys.stderr)
+            return 2
+    if not argv:
+        print("usage: python -m matex [--all-ranks] script.py [args...]", file=sys.stderr)
         return 2
     script = argv[0]
     if not os.path.isfile(script):
         print("matex: no such script: %s" % script, file=sys.stderr)
         return 2
+    rank = _rank()
+    if rank != 0:
+        sys.stdout = _Prefixed(sys.stdout, "[rank %d] " % rank) if all_ranks else open(
+            os.devnull, "w")
+    if "keras" in sys.modules:
+        from matex import _keras_patch
+
+        _keras_patch.install()
+    else:
+        sys.meta_path.insert(0, _PatchKerasOnImport())
     sys.argv = list(argv)
     sys.path.insert(0, os.path.dirname(os.path.abspath(script)))
     try:
@@ -31,6 +115,8 @@ def _run(argv):
         return 1
     except BaseException:  # noqa: BLE001 - any failure must end the whole job
         _abort_job()
+    finally:
+        sys.stdout.flush()
     return 0
 
 

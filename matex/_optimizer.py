@@ -33,6 +33,7 @@ class _State:
         self.op = op
         self.threshold = threshold
         self.synced = False          # first-step broadcast done
+        self.rows = None             # this rank's rows in the step being traced, or None
         self.flags = []              # in-graph first-step sync flags
         self.capture = None          # list collecting gradients (XLA split), or None
 
@@ -55,7 +56,10 @@ class _DistributedMixin:
         if not state.synced:
             gate = self._matex_first_step_sync(trainable_variables or self._trainable_variables)
         with tf.control_dependencies([gate] if gate is not None else []):
-            grads = _fusion.allreduce_gradients(grads, state.op, state.threshold)
+            if state.rows is not None and state.op == "average":
+                grads = _weighted_average(grads, state.rows, state.threshold)
+            else:
+                grads = _fusion.allreduce_gradients(grads, state.op, state.threshold)
         return super().apply(grads, trainable_variables)
 
     def _matex_first_step_sync(self, variables):
@@ -88,6 +92,34 @@ class _DistributedMixin:
 
         with tf.control_dependencies(_last_collectives(tf.compat.v1.get_default_graph())):
             return tf.cond(flag.read_value(), sync, lambda: tf.constant(False))
+
+
+def _weighted_average(grads, rows, threshold):
+    """Sum over ranks of grad_r * rows_r / total rows: the global-batch gradient."""
+    rows = tf.cast(rows, tf.float64)
+    total = _collectives.allreduce(rows, "sum")
+    weight = tf.math.divide_no_nan(rows, total)
+    scaled = [None if g is None else tf.convert_to_tensor(g) * tf.cast(weight, g.dtype)
+              for g in grads]
+    return _fusion.allreduce_gradients(scaled, "sum", threshold)
+
+
+class rows_of_step:
+    """Within this block, ``optimizer`` weights gradients by ``rows`` (see _sharding)."""
+
+    def __init__(self, optimizer, data):
+        self.state = getattr(optimizer, "_matex", None)
+        self.data = data
+
+    def __enter__(self):
+        if self.state is not None:
+            x = self.data[0] if isinstance(self.data, (tuple, list)) else self.data
+            self.state.rows = tf.shape(tf.nest.flatten(x)[0])[0]
+        return self
+
+    def __exit__(self, *exc):
+        if self.state is not None:
+            self.state.rows = None
 
 
 def _has_value(variable):
@@ -192,7 +224,11 @@ def _split_xla_step(model):
             grads = [None] * len(variables)
             for i, g in zip(traced["present"], present):
                 grads[i] = g
-            optimizer.apply(grads, variables)
+            if getattr(model, "_matex_weighted", False):
+                with rows_of_step(optimizer, data):
+                    optimizer.apply(grads, variables)
+            else:
+                optimizer.apply(grads, variables)
         return logs
 
     return step

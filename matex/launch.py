@@ -85,6 +85,8 @@ def main(argv=None):
                         help="number of ranks (default 1)")
     parser.add_argument("-v", "--verbose", action="store_true",
                         help="print the mpiexec command before running it")
+    parser.add_argument("--all-ranks", action="store_true",
+                        help="show every rank's stdout, prefixed by its rank")
     parser.add_argument("--mpi-arg", action="append", default=[], metavar="ARG",
                         help="extra argument for mpiexec (repeatable)")
     parser.add_argument("script", help="the Python script to run")
@@ -94,8 +96,8 @@ def main(argv=None):
         parser.error("-n must be at least 1")
     if not os.path.isfile(opts.script):
         parser.error("no such script: %s" % opts.script)
-    cmd = mpiexec_command(opts.nranks, [sys.executable, "-m", "matex", opts.script] + opts.args,
-                          mpi_args=opts.mpi_arg)
+    runner = [sys.executable, "-m", "matex"] + (["--all-ranks"] if opts.all_ranks else [])
+    cmd = mpiexec_command(opts.nranks, runner + [opts.script] + opts.args, mpi_args=opts.mpi_arg)
     if opts.verbose:
         print("matexrun: " + " ".join(cmd), file=sys.stderr, flush=True)
     return subprocess.call(cmd, env=launch_env())

@@ -1,6 +1,7 @@
 """Run pytest suites under a real mpiexec and check every rank's report."""
 
 import os
+import signal
 import subprocess
 import sys
 import xml.etree.ElementTree as ET
@@ -16,13 +17,16 @@ def run_mpi(nranks, program, mpi_args=(), timeout=900, env=None, cwd=ROOT):
     cmd = launch.mpiexec_command(nranks, program, mpi_args=mpi_args)
     full_env = launch.launch_env(env)
     full_env.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+    proc = subprocess.Popen(cmd, env=full_env, cwd=cwd, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, start_new_session=True)
     try:
-        return subprocess.run(cmd, env=full_env, cwd=cwd, capture_output=True, text=True,
-                              timeout=timeout)
-    except subprocess.TimeoutExpired as exc:
-        out = (exc.stdout or b"")
-        out = out.decode(errors="replace") if isinstance(out, bytes) else out
-        raise AssertionError("timed out after %ss: %s\n%s" % (timeout, " ".join(cmd), out[-5000:]))
+        out, err = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)   # mpiexec and every rank it started
+        out, err = proc.communicate()
+        raise AssertionError("timed out after %ss: %s\n%s\n%s" % (
+            timeout, " ".join(cmd), out[-3000:], err[-5000:]))
+    return subprocess.CompletedProcess(cmd, proc.returncode, out, err)
 
 
 def run_suite(nranks, files, report_dir, mpi_args=(), timeout=1200, env=None):

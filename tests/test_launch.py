@@ -42,15 +42,20 @@ def test_exception_on_one_rank_ends_the_whole_job_with_its_traceback(tmp_path):
 
 def test_matexrun_prints_the_command_and_runs_the_script(tmp_path):
     matexrun = os.path.join(os.path.dirname(sys.executable), "matexrun")
-    proc = subprocess.run([matexrun, "-v", "-n", "3", _script(tmp_path), "0"],
+    quiet = subprocess.run([matexrun, "-n", "2", _script(tmp_path), "0"], capture_output=True,
+                           text=True, timeout=180)
+    assert quiet.returncode == 0, quiet.stderr[-3000:]
+    assert [l.split()[1] for l in quiet.stdout.splitlines()] == ["0"]   # rank 1 is quiet
+    proc = subprocess.run([matexrun, "-v", "--all-ranks", "-n", "3", _script(tmp_path), "0"],
                           capture_output=True, text=True, timeout=180,
                           env={k: v for k, v in os.environ.items()
                                if not k.startswith("OMPI_ALLOW")})
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "matexrun: " in proc.stderr and "-n 3" in proc.stderr
     assert "--oversubscribe" in proc.stderr or (os.cpu_count() or 1) >= 3
-    assert sorted(l.split()[1] for l in proc.stdout.splitlines() if l.startswith("rank")) == [
-        "0", "1", "2"]
+    lines = sorted(proc.stdout.splitlines())
+    assert lines[0].startswith("[rank 1] rank 1 ") and lines[1].startswith("[rank 2] rank 2 ")
+    assert lines[2].startswith("rank 0 ")
 
 
 def test_matexrun_rejects_a_missing_script():

@@ -1,0 +1,328 @@
+"""Make Keras 3 itself distributed (``import matex.keras`` / ``python -m matex``).
+
+``install()`` patches Keras classes in place, so ``keras``, ``tf.keras`` and
+``matex.keras`` behave alike:
+
+* ``compile`` wraps the optimizer in ``DistributedOptimizer``; any optimizer
+  used in a custom loop becomes distributed on its first ``apply``.
+* ``fit``/``evaluate`` shard their inputs (``_sharding``: the script's batch is
+  the global batch; gradients are weighted by rows so N ranks follow the
+  single-process trajectory); ``predict`` splits array inputs and gathers the
+  predictions in order.
+* metrics are exact global values: metric *states* are summed over ranks
+  before each ``result()`` (states are assumed additive: totals, counts,
+  confusion counts — true of Keras's built-in metrics).
+* only rank 0 shows progress, runs file-writing callbacks, and saves; loading
+  reads the file on rank 0 and broadcasts it.
+* ``MATEX_SCALING=weak`` (or ``fit(..., scaling="weak")``) keeps the per-rank
+  batch, multiplies the learning rate by the number of ranks and warms it up
+  linearly over the first epoch (Goyal et al., 2017).
+"""
+
+import functools
+import importlib
+import inspect
+import os
+import tempfile
+import threading
+
+import numpy as np
+import tensorflow as tf
+
+from matex import _collectives, _fusion, _optimizer, _runtime, _sharding
+
+_lock = threading.Lock()
+_installed = False
+_WRITERS = ("ModelCheckpoint", "CSVLogger", "TensorBoard", "ProgbarLogger", "RemoteMonitor")
+
+
+def _bind(function, *args, **kwargs):
+    """Arguments of a call, all named (edit ``.arguments``, call with ``_call``)."""
+    bound = inspect.signature(function).bind(*args, **kwargs)
+    bound.apply_defaults()
+    return bound
+
+
+def _call(function, bound):
+    return function(*bound.args, **bound.kwargs)
+
+
+def _shared_seed():
+    seed = int(np.random.SeedSequence().entropy % (2 ** 31)) if _runtime.rank() == 0 else None
+    return _runtime.comm().bcast(seed, root=0)
+
+
+def _present(*parts):
+    return tuple(p for p in parts if p is not None)
+
+
+def _shard_input(x, y, sample_weight, batch_size, shuffle, seed):
+    """(x, y, sample_weight, batch_size) to pass to Keras for this rank."""
+    import keras
+
+    if x is None:
+        return x, y, sample_weight, batch_size
+    if isinstance(x, tf.data.Dataset):
+        return _sharding.shard(x), y, sample_weight, None
+    if isinstance(x, keras.utils.PyDataset):
+        if getattr(x, _sharding.SHARDED_ATTR, False):
+            return x, y, sample_weight, None
+        return _sharding.shard_pydataset(x), y, sample_weight, None
+    if inspect.isgenerator(x) or (hasattr(x, "__next__") and hasattr(x, "__iter__")):
+        return _sharding.shard_generator(x), y, sample_weight, None
+    if _sharding.is_array_input(x):
+        arrays = _present(x, y, sample_weight)
+        shards = _sharding.ArrayShards(arrays, batch_size or 32, shuffle, seed)
+        return shards.dataset(), None, None, None
+    return x, y, sample_weight, batch_size
+
+
+def _rank0_callbacks(callbacks):
+    """Callbacks for this rank: file writers and progress only on rank 0."""
+    if not isinstance(callbacks, (list, tuple)) or _runtime.rank() == 0:
+        return callbacks   # includes Keras's own CallbackList, already filtered
+    kept = []
+    for cb in callbacks:
+        name = type(cb).__name__
+        if name in _WRITERS:
+            continue
+        if name == "BackupAndRestore":   # restores everywhere, writes on rank 0
+            cb._save_model = lambda *a, **k: None
+            cb.on_train_end = lambda logs=None: None
+        kept.append(cb)
+    return kept
+
+
+def _quiet(verbose):
+    return verbose if _runtime.rank() == 0 else 0
+
+
+def _fit(original):
+    @functools.wraps(original)
+    def fit(self, *args, scaling=None, **kwargs):
+        from matex.callbacks import BroadcastGlobalVariablesCallback, LearningRateWarmupCallback
+
+        bound = _bind(original, self, *args, **kwargs)
+        a = bound.arguments
+        scaling = scaling or os.environ.get("MATEX_SCALING", "strong")
+        if scaling not in ("strong", "weak"):
+            raise ValueError("scaling must be 'strong' or 'weak', not %r" % scaling)
+        size = _runtime.size()
+        batch = a["batch_size"] or 32
+        if scaling == "weak":
+            batch *= size
+        x, y, sw = a["x"], a["y"], a["sample_weight"]
+        if (a["validation_split"] and a["validation_data"] is None
+                and _sharding.is_array_input(x)):
+            from keras.src.trainers.data_adapters import array_slicing
+
+            (x, y, sw), a["validation_data"] = array_slicing.train_validation_split(
+                _present(x, y, sw) + (None,) * (3 - len(_present(x, y, sw))),
+                validation_split=a["validation_split"])
+            a["validation_split"] = 0.0
+        seed = _shared_seed()
+        a["x"], a["y"], a["sample_weight"], a["batch_size"] = _shard_input(
+            x, y, sw, batch, a["shuffle"], seed)
+        val = a["validation_data"]
+        if val is not None:
+            vbatch = a["validation_batch_size"] or batch
+            if isinstance(val, (tuple, list)) and _sharding.is_array_input(val[0]):
+                vx, vy, vsw = (tuple(val) + (None, None))[:3]
+                a["validation_data"] = _shard_input(vx, vy, vsw, vbatch, False, 0)[0]
+            else:
+                a["validation_data"] = _shard_input(val, None, None, vbatch, False, 0)[0]
+            a["validation_batch_size"] = None
+        a["verbose"] = _quiet(a["verbose"])
+        callbacks = list(a["callbacks"] or [])
+        callbacks.insert(0, BroadcastGlobalVariablesCallback(0))
+        if scaling == "weak" and size > 1:
+            callbacks.append(LearningRateWarmupCallback(warmup_epochs=1, multiplier=size))
+        a["callbacks"] = _rank0_callbacks(callbacks)
+        self._matex_weighted = True
+        return _call(original, bound)
+
+    return fit
+
+
+def _evaluate(original):
+    @functools.wraps(original)
+    def evaluate(self, *args, **kwargs):
+        bound = _bind(original, self, *args, **kwargs)
+        a = bound.arguments
+        a["x"], a["y"], a["sample_weight"], a["batch_size"] = _shard_input(
+            a["x"], a["y"], a["sample_weight"], a["batch_size"] or 32, False, 0)
+        a["verbose"] = _quiet(a["verbose"])
+        a["callbacks"] = _rank0_callbacks(a["callbacks"])
+        return _call(original, bound)
+
+    return evaluate
+
+
+def _predict(original):
+    @functools.wraps(original)
+    def predict(self, *args, **kwargs):
+        bound = _bind(original, self, *args, **kwargs)
+        a = bound.arguments
+        a["verbose"] = _quiet(a["verbose"])
+        a["callbacks"] = _rank0_callbacks(a["callbacks"])
+        x = a["x"]
+        if not _sharding.is_array_input(x) or _runtime.size() == 1:
+            return _call(original, bound)
+        arrays = tf.nest.map_structure(np.asarray, x)
+        n = len(tf.nest.flatten(arrays)[0])
+        lo, hi = _sharding.slice_bounds(n, _runtime.rank(), _runtime.size())
+        a["x"] = tf.nest.map_structure(lambda v: v[lo:hi], arrays)
+        mine = _call(original, bound)
+        pieces = _runtime.comm().allgather(mine)
+        return tf.nest.map_structure(lambda *parts: np.concatenate(parts), *pieces)
+
+    return predict
+
+
+def _train_step(original):
+    @functools.wraps(original)
+    def train_step(self, data):
+        if not getattr(self, "_matex_weighted", False):
+            return original(self, data)
+        with _optimizer.rows_of_step(self.optimizer, data):
+            return original(self, data)
+
+    return train_step
+
+
+def _get_metrics_result(original):
+    @functools.wraps(original)
+    def get_metrics_result(self):
+        variables = [v for m in self.metrics for v in m.variables]
+        if not variables:
+            return original(self)
+        local = [tf.identity(tf.convert_to_tensor(v)) for v in variables]
+        total = _fusion.allreduce_gradients(local, "sum", threshold=1 << 30)
+        for v, t in zip(variables, total):
+            v.assign(t)
+        result = tf.nest.map_structure(tf.identity, original(self))
+        with tf.control_dependencies(tf.nest.flatten(result)):
+            for v, t in zip(variables, local):
+                v.assign(t)
+        return result
+
+    return get_metrics_result
+
+
+def _compile(original):
+    @functools.wraps(original)
+    def compile(self, *args, **kwargs):
+        result = original(self, *args, **kwargs)
+        if getattr(self, "optimizer", None) is not None:
+            self.optimizer = _optimizer.DistributedOptimizer(self.optimizer)
+        return result
+
+    return compile
+
+
+def _optimizer_apply(original):
+    @functools.wraps(original)
+    def apply(self, grads, trainable_variables=None):
+        if _optimizer.is_distributed(self):
+            return original(self, grads, trainable_variables)
+        _optimizer.DistributedOptimizer(self)
+        return self.apply(grads, trainable_variables)
+
+    return apply
+
+
+def _rank0_write(original):
+    # No barrier: saving is often called on rank 0 alone (a checkpoint
+    # callback), and loading reads on rank 0 and broadcasts, so no rank ever
+    # needs to wait for the file.
+    @functools.wraps(original)
+    def write(*args, **kwargs):
+        return original(*args, **kwargs) if _runtime.rank() == 0 else None
+
+    return write
+
+
+def _load_model(original):
+    @functools.wraps(original)
+    def load_model(filepath, *args, **kwargs):
+        comm = _runtime.comm()
+        payload = None
+        if comm.Get_rank() == 0:
+            try:
+                with open(filepath, "rb") as f:
+                    payload = (True, f.read())
+            except OSError as exc:
+                payload = (False, "%s: %s" % (type(exc).__name__, exc))
+        ok, data = comm.bcast(payload, root=0)
+        if not ok:
+            raise OSError("cannot read %s on rank 0: %s" % (filepath, data))
+        if comm.Get_rank() == 0:
+            return original(filepath, *args, **kwargs)
+        suffix = os.path.splitext(str(filepath))[1]
+        with tempfile.NamedTemporaryFile(suffix=suffix) as tmp:
+            tmp.write(data)
+            tmp.flush()
+            return original(tmp.name, *args, **kwargs)
+
+    return load_model
+
+
+def _load_weights(original):
+    @functools.wraps(original)
+    def load_weights(self, *args, **kwargs):
+        result = original(self, *args, **kwargs) if _runtime.rank() == 0 else None
+        _collectives.broadcast_variables(self.variables, 0)
+        return result
+
+    return load_weights
+
+
+def _patch(owner, name, wrapper):
+    original = getattr(owner, name)
+    if getattr(original, "_matex_original", None) is not None:
+        return
+    patched = wrapper(original)
+    patched._matex_original = original
+    setattr(owner, name, patched)
+
+
+def install():
+    """Patch Keras so that every script using it trains distributed (idempotent)."""
+    global _installed
+    with _lock:
+        if _installed:
+            return
+        import keras
+        from keras.src.backend.tensorflow import trainer as tf_trainer
+        from keras.src.models import model as model_module
+        from keras.src.optimizers import base_optimizer
+        from keras.src.saving import saving_api
+        from keras.src.trainers import trainer
+
+        _runtime.init()
+        _optimizer._patch_keras_trainer()
+        _patch(trainer.Trainer, "compile", _compile)
+        _patch(trainer.Trainer, "get_metrics_result", _get_metrics_result)
+        _patch(tf_trainer.TensorFlowTrainer, "fit", _fit)
+        _patch(tf_trainer.TensorFlowTrainer, "evaluate", _evaluate)
+        _patch(tf_trainer.TensorFlowTrainer, "predict", _predict)
+        _patch(tf_trainer.TensorFlowTrainer, "train_step", _train_step)
+        _patch(base_optimizer.BaseOptimizer, "apply", _optimizer_apply)
+        _patch(model_module.Model, "save_weights", _rank0_write)
+        _patch(model_module.Model, "load_weights", _load_weights)
+        original_save = saving_api.save_model
+        original_load = saving_api.load_model
+        _patch(saving_api, "save_model", _rank0_write)
+        _patch(saving_api, "load_model", _load_model)
+        namespaces = [keras.saving, keras.models]
+        for name in ("keras._tf_keras.keras.saving", "keras._tf_keras.keras.models"):
+            try:
+                namespaces.append(importlib.import_module(name))
+            except ImportError:
+                pass
+        for namespace in namespaces:
+            if getattr(namespace, "save_model", None) is original_save:
+                namespace.save_model = saving_api.save_model
+            if getattr(namespace, "load_model", None) is original_load:
+                namespace.load_model = saving_api.load_model
+        _installed = True
