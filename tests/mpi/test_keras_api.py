@@ -1,0 +1,109 @@
+"""Public Keras-facing API under mpiexec: callbacks, shard, weight loading, weak scaling."""
+
+import os
+import tempfile
+
+import keras
+import numpy as np
+import pytest
+import tensorflow as tf
+
+import matex
+import matex.keras as mkeras  # noqa: F401 - installs the Keras patches
+from matex.callbacks import (BroadcastGlobalVariablesCallback, LearningRateWarmupCallback,
+                             MetricAverageCallback)
+from helpers import all_equal_bytes, gather
+
+R, N = matex.rank(), matex.size()
+
+
+def model(seed):
+    keras.utils.set_random_seed(seed)
+    m = keras.Sequential([keras.Input((3,)), keras.layers.Dense(4),
+                          keras.layers.BatchNormalization(), keras.layers.Dense(1)])
+    return m
+
+
+def test_matex_keras_reexports_keras():
+    import matex.keras.layers as layers_module
+
+    assert mkeras.layers is keras.layers and layers_module is keras.layers
+    assert mkeras.Sequential is keras.Sequential and mkeras.__version__ == keras.__version__
+    from matex.keras import optimizers
+
+    assert optimizers.Adam is keras.optimizers.Adam
+
+
+def test_broadcast_callback_syncs_non_trainable_variables():
+    m = model(seed=10 + R)
+    cb = BroadcastGlobalVariablesCallback(0)
+    cb.set_model(m)
+    m.layers[1].moving_mean.assign(np.full(4, float(R), np.float32))
+    cb.on_train_begin()
+    assert all_equal_bytes([v.numpy() for v in m.variables])
+    np.testing.assert_array_equal(m.layers[1].moving_mean.numpy(), np.zeros(4))
+
+
+def test_metric_average_callback_averages_logs():
+    cb = MetricAverageCallback()
+    logs = {"loss": float(R), "acc": 2.0 * R}
+    cb.on_epoch_end(0, logs)
+    assert logs == {"loss": (N - 1) / 2, "acc": float(N - 1)}
+
+
+def test_warmup_ramps_to_multiplier_times_base():
+    m = model(seed=1)
+    m.compile(optimizer=keras.optimizers.SGD(0.1), loss="mse")
+    cb = LearningRateWarmupCallback(warmup_epochs=1, multiplier=4, steps_per_epoch=10)
+    cb.set_model(m)
+    cb.on_train_begin()
+    cb.on_epoch_begin(0)
+    cb.on_train_batch_begin(0)
+    first = float(m.optimizer.learning_rate)
+    cb.on_train_batch_begin(9)
+    last = float(m.optimizer.learning_rate)
+    np.testing.assert_allclose([first, last], [0.1 * (1 + 3 * 0.1), 0.4], rtol=1e-6)
+
+
+def test_shard_slices_every_global_batch():
+    ds = tf.data.Dataset.range(23).batch(6)          # batches of 6,6,6,5
+    mine = [b.numpy().tolist() for b in matex.shard(ds)]
+    everyone = gather(mine)
+    assert len(mine) == 4                               # same step count everywhere
+    rebuilt = [sum((everyone[r][k] for r in range(N)), []) for k in range(4)]
+    assert rebuilt == [list(range(i, min(i + 6, 23))) for i in range(0, 23, 6)]
+    assert matex.shard(matex.shard(ds)) is not None
+    already = matex.shard(ds)
+    assert matex.shard(already) is already             # never sharded twice
+
+
+def test_load_weights_reads_on_rank0_and_broadcasts():
+    m = model(seed=20 + R)
+    path = os.path.join(tempfile.gettempdir(), "matex-test-%d.weights.h5" % os.getppid())
+    if R == 0:
+        m.save_weights(path)
+        saved = [w.copy() for w in m.get_weights()]
+    other = model(seed=40 + R)
+    matex.comm().Barrier()
+    other.load_weights(path)
+    root = gather([w for w in other.get_weights()])[0]
+    for a, b in zip(other.get_weights(), root):
+        np.testing.assert_array_equal(a, b)
+    if R == 0:
+        for a, b in zip(other.get_weights(), saved):
+            np.testing.assert_array_equal(a, b)
+        os.remove(path)
+
+
+def test_weak_scaling_keeps_per_rank_batch_and_scales_learning_rate():
+    m = model(seed=3)
+    m.compile(optimizer=keras.optimizers.SGD(0.01), loss="mse")
+    x = np.random.default_rng(0).normal(size=(64, 3)).astype(np.float32)
+    y = x.sum(1, keepdims=True)
+    history = m.fit(x, y, batch_size=8, epochs=2, verbose=0, scaling="weak")
+    steps = -(-64 // (8 * N))
+    assert len(history.history["loss"]) == 2
+    np.testing.assert_allclose(float(m.optimizer.learning_rate), 0.01 * N, rtol=1e-6)
+    assert int(m.optimizer.iterations) == 2 * steps
+    with pytest.raises(ValueError, match="scaling must be"):
+        m.fit(x, y, scaling="medium")
