@@ -12,12 +12,23 @@
 Run under MPI: ``mpiexec -n 4 python train.py``.
 """
 
-from matex._runtime import comm, init, local_rank, local_size, rank, size
+import os as _os
+
+if _os.environ.get("OMPI_MCA_mpi_ft_enable") == "1":
+    # Under ULFM (mpiexec --with-ft ulfm) MPI_Finalize can wait forever on the
+    # failure detector once a rank has died: skip it, as a crashed rank would.
+    # Exit codes are kept. Effective if mpi4py.MPI is not imported yet.
+    import mpi4py as _mpi4py
+
+    _mpi4py.rc.finalize = False
+
+from matex._runtime import comm, init, local_rank, local_size, rank, size  # noqa: E402
 
 __all__ = [
     "init", "rank", "size", "local_rank", "local_size", "comm",
     "allreduce", "broadcast", "allgather", "broadcast_variables",
     "DistributedOptimizer", "DistributedGradientTape", "mpi_error_class", "shard",
+    "on_rank_loss", "run_resilient",
 ]
 
 _LAZY = {
@@ -29,6 +40,8 @@ _LAZY = {
     "DistributedOptimizer": "matex._optimizer",
     "DistributedGradientTape": "matex._tape",
     "shard": "matex._sharding",
+    "on_rank_loss": "matex._resilience",
+    "run_resilient": "matex._resilience",
 }
 
 

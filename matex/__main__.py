@@ -121,10 +121,16 @@ def _run(argv):
 
 
 def _abort_job():
+    # Under ULFM this rank alone dies and the others recover; otherwise the
+    # whole job is aborted so that no rank hangs in a collective.
+    from matex import _resilience
+
+    text = traceback.format_exc()
+    if _resilience.mode() == "ulfm":
+        _resilience.die_like_a_crash(text)
     from mpi4py import MPI
 
     rank = MPI.COMM_WORLD.Get_rank()
-    text = traceback.format_exc()
     sys.stderr.write("".join("[rank %d] %s\n" % (rank, line) for line in text.splitlines()))
     sys.stderr.flush()
     if MPI.COMM_WORLD.Get_size() > 1:

@@ -6,6 +6,8 @@ program, hence issues the same collectives in the same order, whatever order
 the executor would otherwise pick. Eagerly, ops run in Python order.
 """
 
+import weakref
+
 import tensorflow as tf
 
 from matex import _native, _runtime
@@ -14,9 +16,28 @@ REDUCE_OPS = ("sum", "average", "min", "max")
 DTYPES = (tf.float16, tf.bfloat16, tf.float32, tf.float64, tf.int32, tf.int64)
 
 
+_barriers = weakref.WeakKeyDictionary()   # graph -> op every later collective waits for
+
+
 def _ops():
     _runtime._core()  # communicator handed to the C++ side before any op runs
     return _native.tf_ops()
+
+
+def set_barrier(op):
+    """Make every collective created later in ``op``'s graph wait for ``op``.
+
+    Used after a weight update, so that a later collective that fails (a dead
+    peer) can never interrupt an update halfway.
+    """
+    _barriers[op.graph] = op
+
+
+def _after_barrier():
+    if tf.executing_eagerly():
+        return []
+    op = _barriers.get(tf.compat.v1.get_default_graph())
+    return [op] if op is not None else []
 
 
 def _as_tensor(tensor, what):
@@ -47,25 +68,28 @@ def allreduce(tensor, op="average", name=None):
       A tensor of the same shape and dtype.
     Raises:
       tf.errors.InvalidArgumentError on every rank if ranks disagree on shape,
-      dtype or op; tf.errors.UnavailableError if MPI fails (see
-      ``matex.mpi_error_class``).
+      dtype or op; tf.errors.InternalError if MPI fails, carrying the MPI
+      error class (``matex.mpi_error_class``).
     """
     _check_op(op)
     tensor = _as_tensor(tensor, "allreduce")
-    return _ops().matex_allreduce(tensor, reduce_op=op, name=name)
+    with tf.control_dependencies(_after_barrier()):
+        return _ops().matex_allreduce(tensor, reduce_op=op, name=name)
 
 
 def grouped_allreduce(tensors, op="average", name=None):
     """Reduce several tensors of one dtype with one fused MPI call."""
     _check_op(op)
     tensors = [_as_tensor(t, "grouped_allreduce") for t in tensors]
-    return _ops().matex_grouped_allreduce(tensors, reduce_op=op, name=name)
+    with tf.control_dependencies(_after_barrier()):
+        return _ops().matex_grouped_allreduce(tensors, reduce_op=op, name=name)
 
 
 def broadcast(tensor, root=0, name=None):
     """Return rank ``root``'s ``tensor`` on every rank (same shape on all ranks)."""
     tensor = _as_tensor(tensor, "broadcast")
-    return _ops().matex_broadcast(tensor, root=int(root), name=name)
+    with tf.control_dependencies(_after_barrier()):
+        return _ops().matex_broadcast(tensor, root=int(root), name=name)
 
 
 def allgather(tensor, name=None):
@@ -74,7 +98,8 @@ def allgather(tensor, name=None):
     First dimensions may differ between ranks; the other dimensions must agree.
     """
     tensor = _as_tensor(tensor, "allgather")
-    return _ops().matex_allgather(tensor, name=name)
+    with tf.control_dependencies(_after_barrier()):
+        return _ops().matex_allgather(tensor, name=name)
 
 
 def comm_info():

@@ -25,7 +25,9 @@ import inspect
 import os
 import tempfile
 import threading
+import time
 
+import keras
 import numpy as np
 import tensorflow as tf
 
@@ -58,8 +60,6 @@ def _present(*parts):
 
 def _shard_input(x, y, sample_weight, batch_size, shuffle, seed):
     """(x, y, sample_weight, batch_size) to pass to Keras for this rank."""
-    import keras
-
     if x is None:
         return x, y, sample_weight, batch_size
     if isinstance(x, tf.data.Dataset):
@@ -97,9 +97,92 @@ def _quiet(verbose):
     return verbose if _runtime.rank() == 0 else 0
 
 
+class _TrainInput:
+    """``fit``'s training input, re-creatable for the current ranks from any step."""
+
+    def __init__(self, x, y, sample_weight, batch, shuffle, seed):
+        self.raw = (x, y, sample_weight, batch, shuffle, seed)
+        self.shards = None
+        self.steps = None
+        if _sharding.is_array_input(x):
+            self.shards = _sharding.ArrayShards(_present(x, y, sample_weight), batch, shuffle,
+                                                seed)
+            self.steps = self.shards.steps
+        elif isinstance(x, tf.data.Dataset) and int(x.cardinality()) > 0:
+            self.steps = int(x.cardinality())
+
+    def at(self, epoch, step):
+        """(x, y, sample_weight, batch_size) for Keras, starting at (epoch, step)."""
+        x, y, sw, batch, shuffle, seed = self.raw
+        if self.shards is not None:
+            return self.shards.dataset(epoch, step), None, None, None
+        if step and self.steps:
+            x = x.skip(step)
+        elif step:
+            raise RuntimeError(
+                "cannot resume training after a rank failure: fit's input is not re-iterable "
+                "from a given step (use arrays or a tf.data dataset of known length)")
+        return _shard_input(x, y, sw, batch, shuffle, seed)
+
+
+class _StepSnapshot(keras.callbacks.Callback):
+    """Per step: the non-trainable state to restore if the step is redone; faults at 'begin'."""
+
+    def __init__(self, track):
+        super().__init__()
+        self.track = track
+        self.iterations = None
+        self.values = []
+
+    def on_train_batch_begin(self, batch, logs=None):
+        iterations = int(self.model.optimizer.iterations)
+        if self.track:
+            self.iterations = iterations
+            self.values = [v.numpy() for v in self.model.non_trainable_variables]
+        from matex import _faults
+
+        _faults.maybe_fail(iterations, "begin")
+
+    def restore_if_not_applied(self):
+        """Undo this rank's partial step (the update did not happen)."""
+        if self.iterations is not None and int(self.model.optimizer.iterations) == self.iterations:
+            for v, value in zip(self.model.non_trainable_variables, self.values):
+                v.assign(value)
+
+
+def _resync_after_failure(model, snapshot, first_iteration, initial_epoch, steps):
+    """Adopt the new rank 0's state; return the (epoch, step) to resume from."""
+    from matex import _resilience
+
+    snapshot.restore_if_not_applied()
+    optimizer = model.optimizer
+    state = list(model.variables) + (list(optimizer.variables) if optimizer.built else [])
+    _collectives.broadcast_variables(state, 0)
+    done = int(optimizer.iterations) - first_iteration
+    done = _runtime.comm().bcast(done, root=0)
+    _resilience.check_replicas([v.numpy() for v in state])
+    if steps is None:
+        raise RuntimeError("cannot resume training after a rank failure: the number of "
+                           "steps per epoch of fit's input is unknown")
+    return initial_epoch + done // steps, done % steps
+
+
+def _merge_histories(histories):
+    merged = histories[-1]
+    merged.epoch = [e for h in histories for e in h.epoch]
+    keys = {k for h in histories for k in h.history}
+    merged.history = {k: [v for h in histories for v in h.history.get(k, [])] for k in keys}
+    return merged
+
+
+_announced = False
+
+
 def _fit(original):
     @functools.wraps(original)
     def fit(self, *args, scaling=None, **kwargs):
+        global _announced
+        from matex import _resilience
         from matex.callbacks import BroadcastGlobalVariablesCallback, LearningRateWarmupCallback
 
         bound = _bind(original, self, *args, **kwargs)
@@ -120,28 +203,89 @@ def _fit(original):
                 _present(x, y, sw) + (None,) * (3 - len(_present(x, y, sw))),
                 validation_split=a["validation_split"])
             a["validation_split"] = 0.0
-        seed = _shared_seed()
-        a["x"], a["y"], a["sample_weight"], a["batch_size"] = _shard_input(
-            x, y, sw, batch, a["shuffle"], seed)
-        val = a["validation_data"]
-        if val is not None:
-            vbatch = a["validation_batch_size"] or batch
-            if isinstance(val, (tuple, list)) and _sharding.is_array_input(val[0]):
-                vx, vy, vsw = (tuple(val) + (None, None))[:3]
-                a["validation_data"] = _shard_input(vx, vy, vsw, vbatch, False, 0)[0]
-            else:
-                a["validation_data"] = _shard_input(val, None, None, vbatch, False, 0)[0]
-            a["validation_batch_size"] = None
-        a["verbose"] = _quiet(a["verbose"])
+        train = _TrainInput(x, y, sw, batch, a["shuffle"], _shared_seed())
+        validation = a["validation_data"]
+        vbatch = a["validation_batch_size"] or batch
+        a["validation_batch_size"] = None
         callbacks = list(a["callbacks"] or [])
-        callbacks.insert(0, BroadcastGlobalVariablesCallback(0))
         if scaling == "weak" and size > 1:
             callbacks.append(LearningRateWarmupCallback(warmup_epochs=1, multiplier=size))
-        a["callbacks"] = _rank0_callbacks(callbacks)
+        if os.environ.get("MATEX_CHECKPOINT_DIR"):
+            from matex._checkpoint import AtomicBackupAndRestore
+
+            callbacks.append(AtomicBackupAndRestore(os.environ["MATEX_CHECKPOINT_DIR"]))
+        ft = _resilience.mode() == "ulfm"
+        snapshot = _StepSnapshot(track=ft)
+        if not _announced and _runtime.rank() == 0 and (ft or size > 1):
+            print(_resilience.describe_mode(), flush=True)
+            _announced = True
+        verbose, epochs = a["verbose"], a["epochs"]
+        first_iteration = int(self.optimizer.iterations) if self.optimizer is not None else 0
+        start_epoch = a["initial_epoch"]
+        epoch, step, histories = start_epoch, 0, []
         self._matex_weighted = True
-        return _call(original, bound)
+        while epoch < epochs:
+            a["x"], a["y"], a["sample_weight"], a["batch_size"] = train.at(epoch, step)
+            if isinstance(a["x"], tf.data.Dataset):
+                a["shuffle"] = False   # shuffled by MaTEx, or the dataset's own business
+            if validation is not None:
+                if isinstance(validation, (tuple, list)) and _sharding.is_array_input(
+                        validation[0]):
+                    vx, vy, vsw = (tuple(validation) + (None, None))[:3]
+                    a["validation_data"] = _shard_input(vx, vy, vsw, vbatch, False, 0)[0]
+                else:
+                    a["validation_data"] = _shard_input(validation, None, None, vbatch,
+                                                        False, 0)[0]
+            a["initial_epoch"] = epoch
+            a["epochs"] = epoch + 1 if step else epochs
+            a["verbose"] = _quiet(verbose)
+            a["callbacks"] = _rank0_callbacks(
+                [BroadcastGlobalVariablesCallback(0), snapshot] + callbacks)
+            try:
+                histories.append(_call(original, bound))
+                epoch, step = a["epochs"], 0
+            except Exception as exc:  # noqa: BLE001 - classified right below
+                if not (ft and _resilience.is_failure(exc)):
+                    raise
+                loss = _resilience.recover()
+                resync_started = time.time()
+                epoch, step = _resync_after_failure(self, snapshot, first_iteration,
+                                                    start_epoch, train.steps)
+                loss.resync_seconds = time.time() - resync_started
+                _resilience.notify(loss)
+                if _runtime.rank() == 0:
+                    print("matex: lost rank(s) %s; %d ranks continue from epoch %d step %d "
+                          "(recovered in %.3f s + %.3f s re-sync)"
+                          % (loss.lost, loss.new_size, epoch + 1, step, loss.seconds,
+                             loss.resync_seconds), flush=True)
+                for cb in callbacks:
+                    if hasattr(cb, "on_rank_loss"):
+                        cb.on_rank_loss(loss)
+        return _merge_histories(histories) if histories else self.history
 
     return fit
+
+
+def _redo_after_failure(model, run):
+    """``run()``, started over on the survivors if a rank fails during it (ULFM).
+
+    For work that changes no weights (evaluate, predict): after a recovery
+    the survivors take rank 0's weights and simply run it again, re-divided.
+    """
+    from matex import _resilience
+
+    while True:
+        try:
+            return run()
+        except Exception as exc:  # noqa: BLE001 - classified right below
+            if _resilience.mode() != "ulfm" or not _resilience.is_failure(exc):
+                raise
+            loss = _resilience.recover()
+            started = time.time()
+            _collectives.broadcast_variables(model.variables, 0)
+            _resilience.check_replicas([v.numpy() for v in model.variables], "model weights")
+            loss.resync_seconds = time.time() - started
+            _resilience.notify(loss)
 
 
 def _evaluate(original):
@@ -149,11 +293,16 @@ def _evaluate(original):
     def evaluate(self, *args, **kwargs):
         bound = _bind(original, self, *args, **kwargs)
         a = bound.arguments
-        a["x"], a["y"], a["sample_weight"], a["batch_size"] = _shard_input(
-            a["x"], a["y"], a["sample_weight"], a["batch_size"] or 32, False, 0)
-        a["verbose"] = _quiet(a["verbose"])
-        a["callbacks"] = _rank0_callbacks(a["callbacks"])
-        return _call(original, bound)
+        data = (a["x"], a["y"], a["sample_weight"], a["batch_size"] or 32)
+        callbacks = a["callbacks"]
+
+        def run():
+            a["x"], a["y"], a["sample_weight"], a["batch_size"] = _shard_input(*data, False, 0)
+            a["verbose"] = _quiet(a["verbose"])
+            a["callbacks"] = _rank0_callbacks(callbacks)
+            return _call(original, bound)
+
+        return _redo_after_failure(self, run)
 
     return evaluate
 
@@ -163,18 +312,22 @@ def _predict(original):
     def predict(self, *args, **kwargs):
         bound = _bind(original, self, *args, **kwargs)
         a = bound.arguments
-        a["verbose"] = _quiet(a["verbose"])
-        a["callbacks"] = _rank0_callbacks(a["callbacks"])
-        x = a["x"]
-        if not _sharding.is_array_input(x) or _runtime.size() == 1:
-            return _call(original, bound)
-        arrays = tf.nest.map_structure(np.asarray, x)
-        n = len(tf.nest.flatten(arrays)[0])
-        lo, hi = _sharding.slice_bounds(n, _runtime.rank(), _runtime.size())
-        a["x"] = tf.nest.map_structure(lambda v: v[lo:hi], arrays)
-        mine = _call(original, bound)
-        pieces = _runtime.comm().allgather(mine)
-        return tf.nest.map_structure(lambda *parts: np.concatenate(parts), *pieces)
+        x, callbacks = a["x"], a["callbacks"]
+
+        def run():
+            a["verbose"] = _quiet(a["verbose"])
+            a["callbacks"] = _rank0_callbacks(callbacks)
+            if not _sharding.is_array_input(x) or _runtime.size() == 1:
+                return _call(original, bound)
+            arrays = tf.nest.map_structure(np.asarray, x)
+            n = len(tf.nest.flatten(arrays)[0])
+            lo, hi = _sharding.slice_bounds(n, _runtime.rank(), _runtime.size())
+            a["x"] = tf.nest.map_structure(lambda v: v[lo:hi], arrays)
+            mine = _call(original, bound)
+            pieces = _runtime.comm().allgather(mine)
+            return tf.nest.map_structure(lambda *parts: np.concatenate(parts), *pieces)
+
+        return _redo_after_failure(self, run)
 
     return predict
 
@@ -300,6 +453,11 @@ def install():
         from keras.src.trainers import trainer
 
         _runtime.init()
+        from matex import _resilience
+
+        if _resilience.mode() == "ulfm":
+            _resilience.install_excepthook()
+            _resilience.record_peers()
         _optimizer._patch_keras_trainer()
         _patch(trainer.Trainer, "compile", _compile)
         _patch(trainer.Trainer, "get_metrics_result", _get_metrics_result)

@@ -20,7 +20,7 @@ import threading
 
 import tensorflow as tf
 
-from matex import _collectives, _fusion
+from matex import _collectives, _faults, _fusion
 
 _classes = {}
 _classes_lock = threading.Lock()
@@ -55,12 +55,30 @@ class _DistributedMixin:
         gate = None
         if not state.synced:
             gate = self._matex_first_step_sync(trainable_variables or self._trainable_variables)
-        with tf.control_dependencies([gate] if gate is not None else []):
+        gates = [gate] if gate is not None else []
+        hook = _faults.graph_hook(tf.convert_to_tensor(self.iterations))
+        if hook is not None:
+            gates.append(hook)
+        with tf.control_dependencies(gates):
             if state.rows is not None and state.op == "average":
                 grads = _weighted_average(grads, state.rows, state.threshold)
             else:
                 grads = _fusion.allreduce_gradients(grads, state.op, state.threshold)
-        return super().apply(grads, trainable_variables)
+        if tf.executing_eagerly():
+            return super().apply(grads, trainable_variables)
+        # All-or-nothing update: no variable changes before every reduction
+        # succeeded, and no later collective starts before the update is done.
+        # (Every op of the update, the step counter included, is created under
+        # this dependency: Keras increments `iterations` with no data
+        # dependency on the gradients.)
+        graph = tf.compat.v1.get_default_graph()
+        first = len(graph.get_operations())
+        with tf.control_dependencies([g for g in grads if g is not None]):
+            result = super().apply(grads, trainable_variables)
+        update_ops = graph.get_operations()[first:]
+        if update_ops:
+            _collectives.set_barrier(tf.group(*update_ops))
+        return result
 
     def _matex_first_step_sync(self, variables):
         """Broadcast rank 0's weights and optimizer state; returns a tensor or None.

@@ -50,6 +50,7 @@ class ArrayShards:
         self.shuffle = bool(shuffle)
         self.seed = int(seed)
         self.epoch = 0
+        self.first_step = 0
         self.steps = -(-self.num_rows // self.batch_size)
 
     def _batches(self):
@@ -59,17 +60,24 @@ class ArrayShards:
         else:
             order = np.arange(self.num_rows)
         self.epoch += 1
-        for start in range(0, self.num_rows, self.batch_size):
+        first, self.first_step = self.first_step, 0
+        for start in range(first * self.batch_size, self.num_rows, self.batch_size):
             batch = order[start:start + self.batch_size]
             lo, hi = slice_bounds(len(batch), rank, size)
             rows = batch[lo:hi]
             yield tf.nest.map_structure(lambda a: a[rows], self.arrays)
 
-    def dataset(self):
+    def dataset(self, epoch=0, first_step=0):
+        """Batches from ``epoch`` on; the first pass starts at step ``first_step``.
+
+        With ``first_step > 0`` the dataset is meant for that one (partial) epoch.
+        """
+        self.epoch, self.first_step = epoch, first_step
         spec = tf.nest.map_structure(
             lambda a: tf.TensorSpec((None,) + a.shape[1:], tf.as_dtype(a.dtype)), self.arrays)
         ds = tf.data.Dataset.from_generator(self._batches, output_signature=spec)
-        ds = ds.apply(tf.data.experimental.assert_cardinality(self.steps)).prefetch(2)
+        steps = self.steps - first_step
+        ds = ds.apply(tf.data.experimental.assert_cardinality(steps)).prefetch(2)
         setattr(ds, SHARDED_ATTR, True)
         return ds
 

@@ -18,3 +18,8 @@ def test_collectives_and_training(nranks, mpi_args, tmp_path):
 @pytest.mark.parametrize("nranks", [2, 3])
 def test_core_without_tensorflow(nranks, tmp_path):
     assert mpitools.run_suite(nranks, ["test_core.py"], tmp_path) >= 25
+
+
+@pytest.mark.parametrize("nranks", [2, 3])
+def test_keras_api(nranks, tmp_path):
+    assert mpitools.run_suite(nranks, ["test_keras_api.py"], tmp_path) >= 7

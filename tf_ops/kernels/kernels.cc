@@ -1,9 +1,11 @@
 // CPU kernels of the MaTEx ops: adapt TensorFlow tensors to the core and
 // report core failures as TensorFlow errors. No policy here.
 //
-// A failed MPI call becomes UNAVAILABLE carrying the MPI error class both as
-// a status payload ("matex.mpi_error_class") and in the message; ranks that
-// disagree on a collective get INVALID_ARGUMENT; anything else is INTERNAL.
+// A failed MPI call becomes INTERNAL carrying the MPI error class both as a
+// status payload ("matex.mpi_error_class") and in the message. (Not
+// UNAVAILABLE: TensorFlow rewrites that code, dropping payloads, when it comes
+// from an op inside a nested function.) Ranks that disagree on a collective
+// get INVALID_ARGUMENT; other failures are INTERNAL without the payload.
 #include <cstring>
 #include <string>
 #include <vector>
@@ -26,7 +28,7 @@ absl::Status ToTf(const matex::Status& s, const char* op) {
   std::string msg = std::string(op) + ": " + s.message;
   switch (s.kind) {
     case matex::Status::Kind::kMpiError: {
-      absl::Status st = absl::UnavailableError(msg);
+      absl::Status st = absl::InternalError(msg);
       const std::string error_class = std::to_string(s.mpi_error_class);
       st.SetPayload("matex.mpi_error_class",
                     absl::Cord(absl::string_view(error_class)));

@@ -1,0 +1,68 @@
+"""Test script (never mentions MaTEx): fit that counts, inside the model, every sample
+trained on, replicated on all ranks (an allreduce in the forward pass), so the count
+survives the loss of ranks. Writes OUT.<world rank> on every rank that finishes.
+
+Usage: ft_fit.py OUT N_SAMPLES BATCH EPOCHS
+"""
+
+import json
+import os
+import sys
+
+import keras
+import numpy as np
+import tensorflow as tf
+
+out, n, batch, epochs = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4])
+with open("%s.pid.%s" % (out, os.environ.get("OMPI_COMM_WORLD_RANK", "0")), "w") as f:
+    f.write(str(os.getpid()))   # lets a test kill this rank from outside
+rng = np.random.default_rng(0)
+feats = rng.normal(size=(n, 6)).astype("float32")
+x = np.concatenate([np.arange(n, dtype="float32")[:, None], feats], axis=1)
+y = (feats[:, :3].sum(1) > feats[:, 3:].sum(1)).astype("int64")
+
+
+class CountSamples(keras.layers.Layer):
+    """seen[i] = how many times sample i was trained on, summed over all ranks."""
+
+    def build(self, shape):
+        self.seen = self.add_weight(shape=(n,), initializer="zeros", trainable=False, name="seen")
+
+    def call(self, inputs, training=False):
+        if training:
+            import matex  # the test's own instrument, not part of the training code
+
+            ids = tf.cast(inputs[:, 0], tf.int32)
+            local = tf.math.bincount(ids, minlength=n, maxlength=n, dtype=tf.float32)
+            self.seen.assign_add(matex.allreduce(local, "sum"))
+        return inputs[:, 1:]
+
+
+keras.utils.set_random_seed(0)
+model = keras.Sequential([keras.Input((7,)), CountSamples(),
+                          keras.layers.Dense(16, activation="relu"), keras.layers.Dense(2)])
+model.compile(optimizer=keras.optimizers.Adam(0.01), metrics=["accuracy"],
+              loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+
+class Progress(keras.callbacks.Callback):
+    """Marks that training is under way (for tests that kill from outside)."""
+
+    def on_train_batch_end(self, batch, logs=None):
+        if batch == 2:
+            open(out + ".started", "w").close()
+
+
+history = model.fit(x, y, batch_size=batch, epochs=epochs, shuffle=True, verbose=0,
+                    callbacks=[Progress()])
+loss, acc = model.evaluate(x, y, verbose=0)
+import matex  # noqa: E402  (for the report only)
+from matex import _resilience  # noqa: E402
+
+state = [v.numpy() for v in model.variables + model.optimizer.variables]
+result = {"seen": model.layers[0].seen.numpy().tolist(), "loss": history.history["loss"],
+          "accuracy": acc, "size": matex.size(), "digest": _resilience.digest(state),
+          "iterations": int(model.optimizer.iterations)}
+from mpi4py import MPI  # noqa: E402
+
+with open("%s.%d" % (out, MPI.COMM_WORLD.Get_rank()), "w") as f:
+    json.dump(result, f)

@@ -1,0 +1,176 @@
+"""Fault tolerance under real `mpiexec --with-ft ulfm`: ranks die, survivors finish.
+
+Every run trains the same model (tests/scripts/ft_fit.py: 300 samples, global
+batch 32 -> 10 steps per epoch, 3 epochs = 30 steps) and checks: the job exits
+0; every survivor finished all steps on a communicator of the expected size;
+survivors' model+optimizer digests are identical; every sample was trained on
+exactly once per epoch (counted inside the model); accuracy close to a
+fault-free run; bounded time.
+"""
+
+import glob
+import json
+import os
+import random
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+import mpitools
+from matex import launch
+
+SCRIPT = str(mpitools.ROOT / "tests" / "scripts" / "ft_fit.py")
+STEPS, EPOCHS, N = 10, 3, 300
+
+
+def _launch(tmp_path, nranks, faults=None, ft=True):
+    out = str(tmp_path / "r")
+    env = launch.launch_env()
+    env["TF_CPP_MIN_LOG_LEVEL"] = "2"
+    mpi_args = launch.ft_mpi_args() if ft else []
+    if faults:
+        env["MATEX_INJECT_FAULT"] = faults
+        mpi_args = ["-x", "MATEX_INJECT_FAULT"] + mpi_args
+    cmd = launch.mpiexec_command(nranks, [sys.executable, "-m", "matex", SCRIPT, out, str(N),
+                                          "32", str(EPOCHS)], mpi_args=mpi_args)
+    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True, start_new_session=True)
+    return proc, out
+
+
+def _finish(proc, timeout=240):
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        out, err = proc.communicate()
+        raise AssertionError("hung: killed after %d s\n%s\n%s" % (timeout, out[-2000:], err[-4000:]))
+    return out, err
+
+
+def _results(out):
+    return {int(p.rsplit(".", 1)[1]): json.load(open(p)) for p in glob.glob(out + ".[0-9]*")}
+
+
+def _check(results, survivors, out, err, reference=None):
+    assert sorted(results) == sorted(survivors), (sorted(results), err[-4000:])
+    digests = {r["digest"] for r in results.values()}
+    assert len(digests) == 1, "survivors' states differ"
+    for r in results.values():
+        assert r["size"] == len(survivors)
+        assert r["iterations"] == STEPS * EPOCHS
+        assert r["seen"] == [float(EPOCHS)] * N, "a sample was lost or trained twice"
+    if reference is not None:
+        acc = next(iter(results.values()))["accuracy"]
+        assert abs(acc - reference) <= 0.05, (acc, reference)
+
+
+@pytest.fixture(scope="module")
+def fault_free(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("fault-free")
+    proc, out = _launch(tmp, 4)
+    stdout, err = _finish(proc)
+    assert proc.returncode == 0, err[-4000:]
+    assert "fault tolerance: ULFM shrink-and-continue" in stdout
+    results = _results(out)
+    _check(results, [0, 1, 2, 3], out, err)
+    return next(iter(results.values()))["accuracy"]
+
+
+@pytest.mark.parametrize("faults,survivors", [
+    ("rank=2,step=14,kind=kill", [0, 1, 3]),                       # middle rank, mid-epoch
+    ("rank=0,step=0,kind=kill", [1, 2, 3]),                        # rank 0, first step
+    ("rank=3,step=20,kind=exception", [0, 1, 2]),                  # last rank, at an epoch boundary
+    ("rank=1,step=7,kind=hang", [0, 2, 3]),                        # silent rank: failure detector
+    ("rank=1,step=9,kind=kill;rank=2,step=9,kind=kill", [0, 3]),   # two at once
+    ("rank=0,step=5,kind=kill;rank=1,step=15,kind=exception;rank=3,step=25,kind=kill", [2]),
+    ("rank=3,step=29,kind=kill", [0, 1, 2]),                       # last step
+    ("rank=2,step=10,kind=kill,at=begin", [0, 1, 3]),              # before the forward pass
+], ids=["kill-middle-mid", "kill-rank0-first", "exception-last-boundary", "hang-middle",
+        "two-at-once", "down-to-one", "kill-last-step", "kill-at-begin"])
+def test_survivors_finish_with_nothing_lost_or_repeated(tmp_path, fault_free, faults,
+                                                        survivors):
+    proc, out = _launch(tmp_path, 4, faults)
+    stdout, err = _finish(proc)
+    # survivors exit 0; a failed rank (killed, hung or raising) ends as a crash
+    assert proc.returncode == 0, err[-4000:]
+    assert err.count("matex: injecting fault") == faults.count("rank=")
+    if "exception" in faults:
+        assert "InjectedFault" in err and "the others continue without it" in err
+    _check(_results(out), survivors, out, err, reference=fault_free)
+
+
+def test_kill_9_from_outside_at_a_random_moment(tmp_path, fault_free):
+    proc, out = _launch(tmp_path, 4)
+    deadline = time.time() + 180
+    while (not os.path.exists(out + ".started") and time.time() < deadline
+           and proc.poll() is None):
+        time.sleep(0.05)
+    if not os.path.exists(out + ".started"):
+        stdout, err = _finish(proc)
+        raise AssertionError("training never started (exit %s)\n%s" % (proc.returncode,
+                                                                     err[-4000:]))
+    time.sleep(random.uniform(0.0, 1.5))
+    victim = random.choice([0, 1, 2, 3])
+    os.kill(int(open("%s.pid.%d" % (out, victim)).read()), signal.SIGKILL)
+    stdout, err = _finish(proc)
+    assert proc.returncode == 0, err[-4000:]
+    survivors = [r for r in range(4) if r != victim]
+    results = _results(out)
+    if len(results) == 4:   # the victim had already finished: nothing to recover
+        survivors = [0, 1, 2, 3]
+    _check(results, survivors, out, err, reference=fault_free)
+
+
+def test_without_ulfm_a_failure_ends_the_job_and_says_which_mode(tmp_path):
+    proc, out = _launch(tmp_path, 2, "rank=1,step=3,kind=kill", ft=False)
+    stdout, err = _finish(proc)
+    assert proc.returncode != 0
+    assert "fault tolerance: none (launched without --with-ft ulfm)" in stdout
+    assert _results(out) == {}
+
+
+def test_custom_loop_under_run_resilient(tmp_path):
+    out = str(tmp_path / "c")
+    env = launch.launch_env()
+    env["MATEX_INJECT_FAULT"] = "rank=1,step=13,kind=kill"
+    cmd = launch.mpiexec_command(3, [sys.executable, "-m", "matex", str(
+        mpitools.ROOT / "tests" / "scripts" / "ft_custom_loop.py"), out, str(N), "32",
+        str(EPOCHS)], mpi_args=["-x", "MATEX_INJECT_FAULT"] + launch.ft_mpi_args())
+    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True, start_new_session=True)
+    stdout, err = _finish(proc)
+    assert proc.returncode == 0, err[-4000:]
+    results = _results(out)
+    assert sorted(results) == [0, 2]
+    assert len({r["digest"] for r in results.values()}) == 1
+    for r in results.values():
+        assert r["size"] == 2 and r["recoveries"] == 1 and r["iterations"] == STEPS * EPOCHS
+        assert r["seen"] == [float(EPOCHS)] * N
+
+
+def test_without_ulfm_restart_resumes_from_an_intact_checkpoint(tmp_path):
+    # Rank 0 is killed while writing the epoch-2 checkpoint (data written, not
+    # yet renamed): the job dies, matexrun restarts it on one rank fewer, and
+    # training resumes from the intact epoch-1 checkpoint.
+    out = str(tmp_path / "r")
+    matexrun = os.path.join(os.path.dirname(sys.executable), "matexrun")
+    proc = subprocess.Popen(
+        [matexrun, "--restart", "1", "--checkpoint-dir", str(tmp_path / "ckpt"),
+         "--inject-fault", "rank=0,step=20,kind=kill,at=checkpoint", "-n", "3",
+         SCRIPT, out, str(N), "32", str(EPOCHS)],
+        env={**os.environ, "TF_CPP_MIN_LOG_LEVEL": "2"}, stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE, text=True, start_new_session=True)
+    stdout, err = _finish(proc, timeout=300)
+    assert proc.returncode == 0, err[-4000:]
+    assert "fault tolerance: checkpoint/restart" in stdout
+    assert "restarting from the last checkpoint" in err and "on 2 rank(s)" in err
+    assert "resumed from the checkpoint" in stdout and "at epoch 2" in stdout
+    results = _results(out)
+    assert sorted(results) == [0, 1] and len({r["digest"] for r in results.values()}) == 1
+    for r in results.values():
+        assert r["size"] == 2
+        assert r["seen"] == [float(EPOCHS)] * N   # epoch 1 from the checkpoint, 2 and 3 anew
