@@ -80,16 +80,51 @@ def _loaded_libmpi():
     return libs[0]
 
 
+def _header_version(header):
+    """``("Open MPI", "4.1")`` or ``("MPICH", "4.0")`` declared by an mpi.h, or None."""
+    import re
+
+    text = Path(header).read_text(errors="replace")
+    major = re.search(r"#define\s+OMPI_MAJOR_VERSION\s+(\d+)", text)
+    minor = re.search(r"#define\s+OMPI_MINOR_VERSION\s+(\d+)", text)
+    if major and minor:
+        return ("Open MPI", "%s.%s" % (major.group(1), minor.group(1)))
+    mpich = re.search(r'#define\s+MPICH_VERSION\s+"(\d+\.\d+)', text)
+    if mpich:
+        return ("MPICH", mpich.group(1))
+    return None
+
+
+def _library_version():
+    """``("Open MPI", "5.0")``, ``("MPICH", "4.0")``... of the MPI mpi4py loaded, or None."""
+    import re
+
+    from mpi4py import MPI
+
+    text = MPI.Get_library_version()
+    found = re.search(r"Open MPI v(\d+\.\d+)", text)
+    if found:
+        return ("Open MPI", found.group(1))
+    found = re.search(r"MPICH Version:\s*(\d+\.\d+)", text)
+    if found:
+        return ("MPICH", found.group(1))
+    return None
+
+
 def _mpi_include_dir(libmpi):
-    candidates = []
-    if os.environ.get("MATEX_MPI_INCLUDE"):
-        candidates.append(os.environ["MATEX_MPI_INCLUDE"])
-    prefix = Path(libmpi).resolve().parent.parent
-    candidates += [str(prefix / "include"), str(prefix / "include" / "openmpi")]
-    for wrapper in ("mpicc",):
-        exe = shutil.which(wrapper, path=str(prefix / "bin")) or shutil.which(wrapper)
-        if not exe:
-            continue
+    """Include directory whose mpi.h belongs to ``libmpi`` (the MPI mpi4py loaded)."""
+    libdir = Path(libmpi).resolve().parent
+    prefix = libdir.parent
+    explicit = os.environ.get("MATEX_MPI_INCLUDE")
+    candidates = [explicit] if explicit else []
+    candidates += [str(prefix / "include"), str(prefix / "include" / "openmpi"),
+                   str(libdir / "openmpi" / "include"),      # Debian/Ubuntu multiarch
+                   str(libdir / "mpich" / "include")]
+    # the compiler wrapper of that MPI first; one found on PATH may be another MPI's
+    wrappers = [shutil.which("mpicc", path=str(d))
+                for d in (prefix / "bin", prefix.parent / "bin")]
+    wrappers.append(shutil.which("mpicc"))
+    for exe in dict.fromkeys(w for w in wrappers if w):
         for args in (["-showme:incdirs"], ["-show"]):
             try:
                 out = subprocess.run([exe] + args, capture_output=True, text=True, timeout=30)
@@ -101,9 +136,23 @@ def _mpi_include_dir(libmpi):
                         candidates.append(tok[2:])
                 else:
                     candidates.append(tok)
-    for inc in candidates:
-        if os.path.isfile(os.path.join(inc, "mpi.h")):
+    library = _library_version()
+    seen = []
+    for inc in dict.fromkeys(candidates):
+        header = os.path.join(inc, "mpi.h")
+        if not os.path.isfile(header):
+            continue
+        declared = _header_version(header)
+        if explicit and inc == explicit:
+            return inc                       # the user's word
+        if library is None or declared is None or declared == library:
             return inc
+        seen.append("%s (%s %s)" % (header, declared[0], declared[1]))
+    if seen:
+        raise BuildError(
+            "no mpi.h matching the MPI library mpi4py loaded (%s, %s %s): found only %s. "
+            "Set MATEX_MPI_INCLUDE to that MPI's include directory, or put its mpicc first "
+            "on PATH." % (libmpi, library[0], library[1], ", ".join(seen)))
     raise BuildError(
         "mpi.h not found for the MPI library %s (looked in %s). Set MATEX_MPI_INCLUDE "
         "to the include directory of that MPI, or install its development package."
@@ -193,6 +242,9 @@ def _build_into(target, products, build):
 
 
 _OPT = ["-O3", "-fPIC", "-shared", "-Wall", "-Wno-sign-compare"]
+# the C API only: Open MPI 4's and MPICH's mpi.h otherwise pull in their C++
+# bindings under a C++ compiler (undefined MPI::... symbols at load time)
+_MPI_DEFINES = ["-DOMPI_SKIP_MPICXX=1", "-DMPICH_SKIP_MPICXX=1"]
 
 
 def _say(msg):
@@ -213,7 +265,7 @@ def core_dir():
     key = _hash(_tree_digest(src / "core"), _tree_digest(src / "python"),
                 _compiler_version(cxx), libmpi, MPI.Get_library_version(),
                 (Path(mpi_inc) / "mpi.h").read_bytes(), sys.version, ext,
-                pb_version)
+                pb_version, _OPT, _MPI_DEFINES)
     target = build_root() / ("core-" + key)
     products = ["libmatex_core.so", "_matex_core" + ext]
 
@@ -221,7 +273,7 @@ def core_dir():
         started = time.time()
         _say("building the MPI core against %s (one time)..." % libmpi)
         abi = "-D_GLIBCXX_USE_CXX11_ABI=1"
-        _run([cxx, "-std=c++17", abi] + _OPT + [
+        _run([cxx, "-std=c++17", abi] + _OPT + _MPI_DEFINES + [
             "-I" + mpi_inc, str(src / "core" / "collectives.cc"),
             "-o", str(tmp / "libmatex_core.so"), "-Wl,-soname,libmatex_core.so",
             libmpi, "-Wl,-rpath," + os.path.dirname(libmpi)])
