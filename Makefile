@@ -34,6 +34,8 @@ bench: ops
 	$(PY) benchmarks/allreduce.py
 	$(PY) benchmarks/small_tensors.py
 	$(PY) benchmarks/training_step.py
+	$(PY) benchmarks/readers.py
+	$(PY) benchmarks/fault_recovery.py
 
 clean:
 	rm -rf $(VENV) build *.egg-info data .test-reports

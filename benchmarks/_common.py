@@ -56,7 +56,9 @@ def run_phase(script, worker, nranks, args=(), mpi_args=(), timeout=1800):
     """Run ``script --worker worker args`` on ``nranks`` ranks; return rank 0's result dict."""
     from matex import launch
 
-    program = [sys.executable, "-m", "matex", os.path.abspath(script), "--worker", worker]
+    # mpi4py's runner aborts the whole job on an uncaught exception. Not
+    # ``python -m matex``: it would make the Keras baselines distributed too.
+    program = [sys.executable, "-m", "mpi4py", os.path.abspath(script), "--worker", worker]
     cmd = launch.mpiexec_command(nranks, program + list(args), mpi_args=mpi_args)
     try:
         proc = subprocess.run(cmd, env=launch_env(), capture_output=True, text=True,
@@ -86,13 +88,10 @@ def run_phases(script, phases, repeats):
 
 
 def median_merge(results):
-    """Results of repeated runs (dicts of numbers, nested) merged into their medians."""
-    first = results[0]
-    if isinstance(first, dict):
-        return {key: median_merge([r[key] for r in results]) for key in first}
-    if isinstance(first, (int, float)) and not isinstance(first, bool):
-        return statistics.median(results)
-    return first
+    """Results of repeated runs (nested dicts of numbers) merged into their medians."""
+    if isinstance(results[0], dict):
+        return {key: median_merge([r[key] for r in results]) for key in results[0]}
+    return statistics.median(results)
 
 
 def header(title, command):

@@ -5,7 +5,8 @@
 
 Two ranks on this machine, float32 sum. Phase ``mpi`` (one mpiexec) measures,
 interleaved round-robin per size: raw mpi4py ``Allreduce`` of NumPy arrays
-into a preallocated buffer (the reference), ``matex.allreduce`` called eagerly,
+into a preallocated buffer (the reference), the same as a copy followed by an
+in-place ``Allreduce`` (what the core does), ``matex.allreduce`` called eagerly,
 and ``matex.allreduce`` inside a ``tf.function`` issuing N of them per call
 (time / N), the two matex ones also with the core's agreement check disabled.
 Phase ``mwms`` (its own mpiexec: the strategy must exist before other
@@ -28,6 +29,11 @@ def sizes(quick):
     return QUICK_SIZES if quick else FULL_SIZES
 
 
+def batch_budget(quick):
+    """Seconds one timed batch of matex or mpi4py calls should take."""
+    return 2e-3 if quick else 5e-3
+
+
 def calls_per_batch(nbytes, fixed, bandwidth, budget, most):
     """How many calls make one timed batch of about ``budget`` seconds."""
     estimate = fixed + nbytes / bandwidth
@@ -45,17 +51,20 @@ def worker_mpi(args):
     world = MPI.COMM_WORLD
     core = matex._runtime._core()
     rounds = 5 if args.quick else 21
-    budget = 2e-3 if args.quick else 5e-3
     rows, calls_per_op = {}, {}
     for nbytes in sizes(args.quick):
         send = np.ones(nbytes // 4, np.float32)
         recv = np.empty_like(send)
         tensor = tf.constant(send)
-        calls = calls_per_batch(nbytes, 20e-6, 2e9, budget, 100)
+        calls = calls_per_batch(nbytes, 20e-6, 2e9, batch_budget(args.quick), 100)
         unrolled = _unrolled_allreduce(tf, matex, calls)
 
         def mpi():
             world.Allreduce(send, recv, op=MPI.SUM)
+
+        def mpi_copy_in_place():
+            np.copyto(recv, send)
+            world.Allreduce(MPI.IN_PLACE, recv, op=MPI.SUM)
 
         def eager():
             matex.allreduce(tensor, op="sum")
@@ -63,7 +72,7 @@ def worker_mpi(args):
         def function():
             unrolled(tensor)
 
-        def checked(check, fn, repeat, ops):
+        def measured(check, fn, repeat, ops):
             def measure():
                 core.set_agreement_check(check)
                 return _common.per_call(fn, repeat, world.Barrier) / ops
@@ -71,11 +80,12 @@ def worker_mpi(args):
 
         function()  # trace outside the timing
         variants = {
-            "mpi": checked(True, mpi, calls, 1),
-            "eager": checked(True, eager, calls, 1),
-            "function": checked(True, function, 1, calls),
-            "eager_nocheck": checked(False, eager, calls, 1),
-            "function_nocheck": checked(False, function, 1, calls),
+            "mpi": measured(True, mpi, calls, 1),
+            "mpi_copy_in_place": measured(True, mpi_copy_in_place, calls, 1),
+            "eager": measured(True, eager, calls, 1),
+            "function": measured(True, function, 1, calls),
+            "eager_nocheck": measured(False, eager, calls, 1),
+            "function_nocheck": measured(False, function, 1, calls),
         }
         rows[str(nbytes)] = {k: v * 1e6 for k, v in _common.interleave(variants, rounds).items()}
         calls_per_op[str(nbytes)] = _mpi_calls_per_op(core, eager, function, calls)
@@ -88,10 +98,7 @@ def _unrolled_allreduce(tf, matex, count):
     """A tf.function running ``count`` matex allreduces of its argument, in program order."""
     @tf.function
     def unrolled(tensor):
-        out = tensor
-        for _ in range(count):
-            out = matex.allreduce(tensor, op="sum")
-        return out
+        return [matex.allreduce(tensor, op="sum") for _ in range(count)][-1]
     return unrolled
 
 
@@ -122,8 +129,9 @@ def worker_mwms(args):
     for nbytes in sizes(args.quick):
         step = _mwms_allreduce(tf, strategy, tf.ones([nbytes // 4]))
         step()  # trace and set up the collective
-        calls = calls_per_batch(nbytes, 1.5e-3, 1.5e8, 10 * (2e-3 if args.quick else 5e-3), 20)
-        variants = {"mwms": lambda: _common.per_call(step, calls, world.Barrier)}
+        calls = calls_per_batch(nbytes, 1.5e-3, 1.5e8, 10 * batch_budget(args.quick), 20)
+        # No MPI barrier: its busy-wait would compete with the strategy's gRPC threads.
+        variants = {"mwms": lambda: _common.per_call(step, calls)}
         rows[str(nbytes)] = _common.interleave(variants, rounds)["mwms"] * 1e6
     _common.emit(_common.worst_over_ranks(world, {"us": rows}), world.Get_rank())
 
@@ -143,18 +151,19 @@ def report(results, quick):
     mpi, mwms = results["mpi"]["us"], results["mwms"]["us"]
     rows = []
     for nbytes in sizes(quick):
-        r, key = mpi[str(nbytes)], str(nbytes)
+        us, ref = mpi[str(nbytes)], mpi[str(nbytes)]["mpi"]
         rows.append([
-            _common.size_label(nbytes), "%.1f" % r["mpi"],
-            "%.1f" % r["eager"], "%.2f" % (r["eager"] / r["mpi"]),
-            "%.1f" % r["function"], "%.2f" % (r["function"] / r["mpi"]),
-            "%.2f" % (r["eager_nocheck"] / r["mpi"]), "%.2f" % (r["function_nocheck"] / r["mpi"]),
-            "%.1f" % mwms[key], "%.1f" % (mwms[key] / r["eager"]),
+            _common.size_label(nbytes), "%.1f" % ref, "%.2f" % (us["mpi_copy_in_place"] / ref),
+            "%.1f" % us["eager"], "%.2f" % (us["eager"] / ref),
+            "%.1f" % us["function"], "%.2f" % (us["function"] / ref),
+            "%.2f" % (us["eager_nocheck"] / ref), "%.2f" % (us["function_nocheck"] / ref),
+            "%.1f" % mwms[str(nbytes)], "%.1f" % (mwms[str(nbytes)] / us["eager"]),
         ])
-    lines = [_common.table(
-        ["size", "mpi4py us", "matex eager us", "x mpi4py", "matex tf.function us",
-         "x mpi4py", "eager no-check x mpi4py", "tf.function no-check x mpi4py",
-         "MWMS us", "MWMS / matex eager"], rows), ""]
+    headers = ["size", "mpi4py us", "mpi4py copy+in-place x mpi4py",
+               "matex eager us", "x mpi4py", "matex tf.function us", "x mpi4py",
+               "eager no-check x mpi4py", "tf.function no-check x mpi4py",
+               "MWMS us", "MWMS / matex eager"]
+    lines = [_common.table(headers, rows), ""]
     calls = results["mpi"]["mpi_calls"][str(sizes(quick)[0])]
     lines.append("MPI calls per allreduce: %g with the agreement check, %g without "
                  "(eager); %g / %g (tf.function)."

@@ -1,0 +1,102 @@
+"""The benchmark drivers run end to end (``--quick``) and print a table of finite figures.
+
+Speed targets are not asserted (that would be a timed test); only the output's
+structure, and facts that do not depend on timing, such as how many MPI calls
+each variant made.
+"""
+
+import json
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def run_driver(name, tmp_path, timeout=300):
+    """Run ``benchmarks/<name>.py --quick``; return its stdout and its ``--json`` results."""
+    out = tmp_path / (name + ".json")
+    env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2")
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks" / (name + ".py")), "--quick", "--json", str(out)],
+        cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+    return proc.stdout, json.loads(out.read_text())
+
+
+def table_rows(stdout):
+    """The data rows of the Markdown table in ``stdout``, as lists of cells."""
+    lines = [line for line in stdout.splitlines() if line.startswith("|")]
+    assert len(lines) >= 3, "no result table in:\n" + stdout
+    header, separator, rows = lines[0], lines[1], lines[2:]
+    assert set(separator) <= set("|-"), separator
+    width = header.count("|")
+    cells = [[c.strip() for c in row.strip("|").split("|")] for row in rows]
+    assert all(row.count("|") == width for row in rows), stdout
+    return cells
+
+
+def assert_finite_table(stdout):
+    """Every row has numbers, and every number in the table is finite."""
+    for row in table_rows(stdout):
+        numbers = []
+        for cell in row:
+            try:
+                numbers.append(float(cell))
+            except ValueError:
+                pass
+        assert numbers, "row without figures: %s" % row
+        assert all(math.isfinite(n) for n in numbers), row
+
+
+def assert_targets(stdout, count):
+    """``count`` target lines, each saying MET or MISSED."""
+    lines = [line for line in stdout.splitlines() if line.startswith("- ")]
+    assert len(lines) == count, stdout
+    assert all(": MET (" in line or ": MISSED (" in line for line in lines), lines
+
+
+def numbers(tree):
+    """Every number in a nested dict."""
+    if isinstance(tree, dict):
+        return [n for value in tree.values() for n in numbers(value)]
+    return [tree]
+
+
+def test_allreduce(tmp_path):
+    stdout, results = run_driver("allreduce", tmp_path)
+    assert_finite_table(stdout)
+    assert len(table_rows(stdout)) == 3
+    assert_targets(stdout, 5)
+    assert all(math.isfinite(n) and n > 0 for n in numbers(results["mpi"]["us"]))
+    assert all(math.isfinite(n) and n > 0 for n in numbers(results["mwms"]["us"]))
+    for calls in results["mpi"]["mpi_calls"].values():
+        assert calls == {"eager": 2, "function": 2, "eager_nocheck": 1, "function_nocheck": 1}
+
+
+def test_small_tensors(tmp_path):
+    stdout, results = run_driver("small_tensors", tmp_path)
+    assert_finite_table(stdout)
+    assert len(table_rows(stdout)) == 5
+    assert_targets(stdout, 1)
+    calls = results["worker"]["mpi_calls"]
+    assert calls["none"] == 0
+    assert 0 < calls["fused"] < calls["unfused"]
+    assert calls["fused_nocheck"] < calls["fused"]
+    assert calls["unfused_nocheck"] < calls["unfused"]
+    assert all(math.isfinite(n) and n > 0 for n in results["worker"]["ms_per_step"].values())
+
+
+def test_training_step(tmp_path):
+    stdout, results = run_driver("training_step", tmp_path)
+    assert_finite_table(stdout)
+    assert len(table_rows(stdout)) == 7
+    figures = {}
+    for phase in results.values():
+        figures.update(phase)
+    assert set(figures) == {"single_fit", "single_fit_xla", "single_loop", "matex_fit",
+                            "matex_fit_xla", "matex_loop", "mwms_loop"}
+    assert all(math.isfinite(n) and n > 0 for n in numbers(figures))
+    assert "jit_compile=True (split) / jit_compile=False" in stdout
