@@ -199,14 +199,17 @@ def interleave(variants, rounds, warmup=1):
     return {name: statistics.median(values) for name, values in samples.items()}
 
 
-def worst_over_ranks(comm, result):
-    """``result`` (nested dict of numbers) with each number replaced by its max over ranks."""
+def worst_over_ranks(comm, result, pick=max):
+    """``result`` (nested dict of numbers) with each number replaced by ``pick`` over ranks.
+
+    ``max`` for times (the slowest rank sets the pace), ``min`` for rates.
+    """
     everyone = comm.allgather(result)
 
     def merge(values):
         if isinstance(values[0], dict):
             return {key: merge([v[key] for v in values]) for key in values[0]}
-        return max(values)
+        return pick(values)
 
     return merge(everyone)
 

@@ -189,7 +189,7 @@ def worker_ranks(args):
         _, seconds = timed(lambda: (d.variables["x"][:], d.variables["y"][:]))
         rows = d.dimensions["sample"].size
     result["netcdf"] = {"dataset": rate, "netcdf4": rows / seconds}
-    _common.emit(slowest(comm, result), rank)
+    _common.emit(_common.worst_over_ranks(comm, result, pick=min), rank)
 
 
 def cpu_speed(seconds=0.3):
@@ -207,18 +207,6 @@ def _csv_rows(path, comm):
         with open(path, "rb") as f:
             rows = sum(chunk.count(b"\n") for chunk in iter(lambda: f.read(1 << 24), b"")) - 1
     return comm.bcast(rows if comm.Get_rank() == 0 else None, root=0)
-
-
-def slowest(comm, result):
-    """``result`` (nested dict of rates) with each rate replaced by its minimum over ranks."""
-    everyone = comm.allgather(result)
-
-    def merge(values):
-        if isinstance(values[0], dict):
-            return {key: merge([v[key] for v in values]) for key in values[0]}
-        return min(values)
-
-    return merge(everyone)
 
 
 def worker_memory(args):
