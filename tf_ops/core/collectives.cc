@@ -155,18 +155,21 @@ void Average(void* data, int64_t n, DataType dtype, int size) {
   }
 }
 
-// In-place allreduce of `count` elements, in chunks that fit MPI's int count;
-// kAverage then divides by the communicator size.
-Status AllreduceInPlace(MPI_Comm comm, void* data, int64_t count,
-                        DataType dtype, ReduceOp op) {
+// Allreduce of `count` elements from `in` into `data` (in place when they
+// are the same buffer: no copy either way), in chunks that fit MPI's int
+// count; kAverage then divides by the communicator size.
+Status AllreduceInto(MPI_Comm comm, const void* in, void* data, int64_t count,
+                     DataType dtype, ReduceOp op) {
   const size_t esize = DataTypeSize(dtype);
   const int64_t kChunk = INT_MAX / 2;
   char* p = static_cast<char*>(data);
+  const char* src = static_cast<const char*>(in);
   for (int64_t done = 0; done < count; done += kChunk) {
     int n = static_cast<int>(std::min(kChunk, count - done));
-    MATEX_COLL(MPI_Allreduce(MPI_IN_PLACE, p + done * esize, n, MpiType(dtype),
-                            MpiOp(dtype, op), comm),
-              "MPI_Allreduce");
+    const void* send = (src == p) ? MPI_IN_PLACE : static_cast<const void*>(src + done * esize);
+    MATEX_COLL(MPI_Allreduce(send, p + done * esize, n, MpiType(dtype),
+                             MpiOp(dtype, op), comm),
+               "MPI_Allreduce");
   }
   if (op == ReduceOp::kAverage) {
     int size = 1;
@@ -344,8 +347,7 @@ Status Allreduce(const TensorRef& in, void* out, DataType dtype, ReduceOp op) {
   if (!s.ok()) return s;
   const int64_t n = in.num_elements();
   if (n == 0) return Status::Ok();
-  if (out != in.data) std::memcpy(out, in.data, size_t(n) * DataTypeSize(dtype));
-  return AllreduceInPlace(comm, out, n, dtype, op);
+  return AllreduceInto(comm, in.data, out, n, dtype, op);
 }
 
 Status FusedAllreduce(const std::vector<TensorRef>& ins,
@@ -373,7 +375,7 @@ Status FusedAllreduce(const std::vector<TensorRef>& ins,
     if (bytes) std::memcpy(buf + off, t.data, bytes);
     off += int64_t(bytes);
   }
-  s = AllreduceInPlace(comm, buf, total, dtype, op);
+  s = AllreduceInto(comm, buf, buf, total, dtype, op);
   if (!s.ok()) return s;
   off = 0;
   for (size_t i = 0; i < ins.size(); ++i) {

@@ -77,7 +77,8 @@ struct TensorRef {
   int64_t num_elements() const;
 };
 
-// out[i] = reduce over ranks of in[i]; `in` and `out` may be the same buffer.
+// out[i] = reduce over ranks of in[i]; `in` and `out` may be the same buffer
+// (in place); otherwise MPI reads `in` and writes `out` directly (no copy).
 // kAverage divides the sum by the communicator size at the time of the call.
 Status Allreduce(const TensorRef& in, void* out, DataType dtype, ReduceOp op);
 

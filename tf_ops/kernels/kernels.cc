@@ -74,7 +74,7 @@ matex::TensorRef Ref(const Tensor& t) {
 }
 
 // Output 0 with input 0's shape and contents (the input buffer itself when
-// TensorFlow lets us reuse it), for collectives that work in place.
+// TensorFlow lets us reuse it), for broadcast, which works in place.
 absl::Status InPlaceOutput(OpKernelContext* ctx, matex::DataType* dtype,
                            matex::TensorRef* ref) {
   const Tensor& in = ctx->input(0);
@@ -97,10 +97,14 @@ class AllreduceOp : public OpKernel {
     OP_REQUIRES_OK(c, ParseReduceOp(c, &op_));
   }
   void Compute(OpKernelContext* ctx) override {
+    // MPI reduces from the input into the output: no copy, and in place when
+    // TensorFlow lets the output reuse the input's buffer.
+    const Tensor& in = ctx->input(0);
     matex::DataType dtype;
-    matex::TensorRef ref;
-    OP_REQUIRES_OK(ctx, InPlaceOutput(ctx, &dtype, &ref));
-    OP_REQUIRES_OK(ctx, ToTf(matex::Allreduce(ref, Mutable(ref), dtype, op_),
+    OP_REQUIRES_OK(ctx, CoreType(in.dtype(), &dtype));
+    Tensor* out = nullptr;
+    OP_REQUIRES_OK(ctx, ctx->forward_input_or_allocate_output({0}, 0, in.shape(), &out));
+    OP_REQUIRES_OK(ctx, ToTf(matex::Allreduce(Ref(in), Mutable(Ref(*out)), dtype, op_),
                              "matex allreduce"));
   }
 
