@@ -4,7 +4,9 @@
 ``matex.keras`` behave alike:
 
 * ``compile`` wraps the optimizer in ``DistributedOptimizer``; any optimizer
-  used in a custom loop becomes distributed on its first ``apply``.
+  used in a custom loop becomes distributed on its first ``apply``. A script
+  that wrapped its optimizer itself is taken to shard its own data: its
+  ``fit``/``evaluate``/``predict`` keep their inputs (output stays rank 0's).
 * ``fit``/``evaluate`` shard their inputs (``_sharding``: the script's batch is
   the global batch; gradients are weighted by rows so N ranks follow the
   single-process trajectory); ``predict`` splits array inputs and gathers the
@@ -97,6 +99,14 @@ def _quiet(verbose):
     return verbose if _runtime.rank() == 0 else 0
 
 
+def _explicit(model, original, args, kwargs):
+    """For explicitly distributed models: only rank-0 output; data untouched."""
+    bound = _bind(original, model, *args, **kwargs)
+    bound.arguments["verbose"] = _quiet(bound.arguments["verbose"])
+    bound.arguments["callbacks"] = _rank0_callbacks(bound.arguments["callbacks"])
+    return _call(original, bound)
+
+
 class _TrainInput:
     """``fit``'s training input, re-creatable for the current ranks from any step."""
 
@@ -182,6 +192,8 @@ def _fit(original):
     @functools.wraps(original)
     def fit(self, *args, scaling=None, **kwargs):
         global _announced
+        if getattr(self, "_matex_explicit", False):
+            return _explicit(self, original, args, kwargs)
         from matex import _resilience
         from matex.callbacks import BroadcastGlobalVariablesCallback, LearningRateWarmupCallback
 
@@ -291,6 +303,8 @@ def _redo_after_failure(model, run):
 def _evaluate(original):
     @functools.wraps(original)
     def evaluate(self, *args, **kwargs):
+        if getattr(self, "_matex_explicit", False):
+            return _explicit(self, original, args, kwargs)
         bound = _bind(original, self, *args, **kwargs)
         a = bound.arguments
         data = (a["x"], a["y"], a["sample_weight"], a["batch_size"] or 32)
@@ -310,6 +324,8 @@ def _evaluate(original):
 def _predict(original):
     @functools.wraps(original)
     def predict(self, *args, **kwargs):
+        if getattr(self, "_matex_explicit", False):
+            return _explicit(self, original, args, kwargs)
         bound = _bind(original, self, *args, **kwargs)
         a = bound.arguments
         x, callbacks = a["x"], a["callbacks"]
@@ -365,6 +381,10 @@ def _get_metrics_result(original):
 def _compile(original):
     @functools.wraps(original)
     def compile(self, *args, **kwargs):
+        given = _bind(original, self, *args, **kwargs).arguments.get("optimizer")
+        # An optimizer the script wrapped itself means the script shards its
+        # own data (explicit use): fit/evaluate/predict then leave data alone.
+        self._matex_explicit = _optimizer.is_distributed(given)
         result = original(self, *args, **kwargs)
         if getattr(self, "optimizer", None) is not None:
             self.optimizer = _optimizer.DistributedOptimizer(self.optimizer)

@@ -117,3 +117,17 @@ def test_unmodified_tf_examples_train_identically_on_all_ranks(example, key, rto
     assert len(checksums) == 2 and checksums[0] == checksums[1]
     np.testing.assert_allclose(_last_number(proc.stdout, key), _last_number(single.stdout, key),
                                rtol=rtol)
+
+
+def test_demo_explicit_use_is_not_sharded_twice_under_matexrun():
+    # demo.py shards its own data and wraps its optimizer itself: under
+    # python -m matex its fit/predict must keep their inputs as given.
+    matexrun = os.path.join(os.path.dirname(sys.executable), "matexrun")
+    proc = subprocess.run([matexrun, "-n", "2", str(ROOT / "examples" / "demo.py"),
+                           "--epochs", "2", "--samples", "6000"], capture_output=True,
+                          text=True, timeout=600,
+                          env={**os.environ, "TF_CPP_MIN_LOG_LEVEL": "3"})
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    assert "weights identical on all ranks: True" in proc.stdout
+    accuracy = _last_number(proc.stdout, "test accuracy")
+    assert len(accuracy) == 1 and accuracy[0] > 0.85, proc.stdout[-2000:]
