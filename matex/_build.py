@@ -60,19 +60,22 @@ def _compiler():
     )
 
 
+def mapped_libmpis():
+    """Real paths of every libmpi.so mapped into this process, sorted."""
+    libs = set()
+    with open("/proc/self/maps") as maps:
+        for line in maps:
+            name = line.rsplit(None, 1)[-1]
+            if os.path.basename(name).startswith("libmpi.so"):
+                libs.add(os.path.realpath(name))
+    return sorted(libs)
+
+
 def _loaded_libmpi():
     """Real path of the libmpi that mpi4py loaded into this process."""
     from mpi4py import MPI  # noqa: F401  (loads libmpi)
 
-    paths = set()
-    with open("/proc/self/maps") as maps:
-        for line in maps:
-            name = line.rsplit(None, 1)[-1]
-            if "/libmpi." in name or "/libmpi_" in name:
-                base = os.path.basename(name)
-                if base.startswith("libmpi.so") or base.startswith("libmpi_"):
-                    paths.add(os.path.realpath(name))
-    libs = sorted(p for p in paths if os.path.basename(p).startswith("libmpi.so"))
+    libs = mapped_libmpis()
     if not libs:
         raise BuildError("mpi4py is imported but no libmpi.so is mapped in this process")
     if len(libs) > 1:

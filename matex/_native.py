@@ -6,7 +6,6 @@ needed); ``tf_ops()`` returns the TensorFlow op library. Both share one
 """
 
 import importlib.util
-import os
 import sysconfig
 import threading
 
@@ -19,18 +18,13 @@ _ops = None
 
 def _check_single_mpi():
     """Fail loudly when two different MPI libraries are mapped in this process."""
-    libs = set()
-    with open("/proc/self/maps") as maps:
-        for line in maps:
-            name = line.rsplit(None, 1)[-1]
-            if os.path.basename(name).startswith("libmpi.so"):
-                libs.add(os.path.realpath(name))
+    libs = _build.mapped_libmpis()
     if len(libs) > 1:
         raise ImportError(
             "MaTEx and mpi4py use different MPI libraries (%s). Rebuild mpi4py "
             "against the MPI you launch with (pip install --no-binary mpi4py "
             "--force-reinstall mpi4py), or remove the stale build in %s."
-            % (", ".join(sorted(libs)), _build.build_root())
+            % (", ".join(libs), _build.build_root())
         )
 
 
