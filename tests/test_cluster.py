@@ -492,13 +492,23 @@ def test_system_mpi_builds_mpi4py_and_the_ops_against_it(system_mpi, sysmpi_pyth
     assert system_mpi["libmpi"] in {os.path.realpath(p) for p in linked.values()}, linked
 
 
+def _json_objects(text):
+    """Every JSON object in ``text``; ranks' lines may be joined by MPI's output forwarding."""
+    decoder, objects, i = json.JSONDecoder(), [], text.find("{")
+    while i >= 0:
+        obj, end = decoder.raw_decode(text, i)
+        objects.append(obj)
+        i = text.find("{", end)
+    return objects
+
+
 def test_system_mpi_two_ranks_with_its_mpiexec(system_mpi, sysmpi_python, tmp_path):
     path = tmp_path / "allreduce.py"
     path.write_text(SYSMPI_SCRIPT)
     cmd = [system_mpi["mpiexec"], "-n", "2", "--oversubscribe", sysmpi_python, str(path)]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=_sysmpi_env())
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
-    reports = [json.loads(l) for l in proc.stdout.splitlines() if l.startswith("{")]
+    reports = _json_objects(proc.stdout)
     assert sorted(r["rank"] for r in reports) == [0, 1]
     for rep in reports:
         assert rep["size"] == 2 and rep["sum"] == [2.0, 1.0]
