@@ -50,7 +50,7 @@ def worker_mpi(args):
 
     world = MPI.COMM_WORLD
     core = matex._runtime._core()
-    rounds = 5 if args.quick else 21
+    rounds = 5 if args.quick else 41
     rows, calls_per_op = {}, {}
     for nbytes in sizes(args.quick):
         send = np.ones(nbytes // 4, np.float32)
@@ -206,7 +206,7 @@ def _label(mode):
 
 def main():
     """Driver (no ``--worker``) or one worker phase."""
-    args = _common.parse_args(__doc__.splitlines()[0], ["mpi", "mwms"], repeats=1)
+    args = _common.parse_args(__doc__.splitlines()[0], ["mpi", "mwms"], repeats=2)
     if args.worker == "mpi":
         return worker_mpi(args)
     if args.worker == "mwms":

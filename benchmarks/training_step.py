@@ -72,7 +72,7 @@ def dataset(tf, part, parts, batch):
 
 def settings(quick):
     """(steps per measurement, measurements per variant)."""
-    return (6, 2) if quick else (40, 7)
+    return (6, 2) if quick else (40, 9)
 
 
 def fit_measure(keras, model, data, steps):
@@ -164,9 +164,8 @@ def worker_matex(args):
     optimizer = matex.DistributedOptimizer(keras.optimizers.SGD(0.01))
     optimizer.build(model.trainable_variables)  # eagerly: broadcasts rank 0's weights
     measures["matex_loop"] = loop_measure(tf, keras, model, optimizer, data, steps, local_batch)
-    seconds = _common.interleave(measures, measurements)
-    result = {name: _throughput(s) for name, s in seconds.items()}
-    _common.emit(_common.worst_over_ranks(world, result), world.Get_rank())
+    seconds = _common.worst_over_ranks(world, _common.interleave(measures, measurements))
+    _common.emit({name: _throughput(s) for name, s in seconds.items()}, world.Get_rank())
 
 
 def worker_mwms(args):
@@ -190,9 +189,9 @@ def worker_mwms(args):
         optimizer = keras.optimizers.SGD(0.01)
         optimizer.build(model.trainable_variables)
     measure = loop_measure(tf, keras, model, optimizer, data, steps, GLOBAL_BATCH, strategy)
-    seconds = _common.interleave({"mwms_loop": measure}, measurements)
-    result = {name: _throughput(s) for name, s in seconds.items()}
-    _common.emit(_common.worst_over_ranks(world, result), world.Get_rank())
+    seconds = _common.worst_over_ranks(world, _common.interleave({"mwms_loop": measure},
+                                                                   measurements))
+    _common.emit({name: _throughput(s) for name, s in seconds.items()}, world.Get_rank())
 
 
 ROWS = [
@@ -237,7 +236,7 @@ def report(results):
 
 def main():
     """Driver (no ``--worker``) or one worker phase."""
-    args = _common.parse_args(__doc__.splitlines()[0], ["single", "matex", "mwms"], repeats=2)
+    args = _common.parse_args(__doc__.splitlines()[0], ["single", "matex", "mwms"], repeats=3)
     workers = {"single": worker_single, "matex": worker_matex, "mwms": worker_mwms}
     if args.worker:
         return workers[args.worker](args)
