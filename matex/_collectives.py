@@ -40,11 +40,13 @@ def _after_barrier():
     return [op] if op is not None else []
 
 
+_DTYPE_SET = frozenset(DTYPES)   # DType.__eq__ is slow Python: test membership by hash
+
+
 def _as_tensor(tensor, what):
-    if isinstance(tensor, tf.IndexedSlices):
+    if not isinstance(tensor, tf.Tensor):   # already a tensor: no conversion on the hot path
         tensor = tf.convert_to_tensor(tensor)
-    tensor = tf.convert_to_tensor(tensor)
-    if tensor.dtype not in DTYPES:
+    if tensor.dtype not in _DTYPE_SET:
         raise TypeError(
             "matex.%s does not support dtype %s (supported: %s)"
             % (what, tensor.dtype.name, ", ".join(d.name for d in DTYPES)))
