@@ -11,8 +11,9 @@ and ``matex.allreduce`` inside a ``tf.function`` issuing N of them per call
 (time / N), the two matex ones also with the core's agreement check disabled.
 Phase ``mwms`` (its own mpiexec: the strategy must exist before other
 TensorFlow work) measures one ring all-reduce per ``strategy.run`` call of a
-``tf.function``. Each figure is the median over rounds of a batch's time per
-call, the worse of the two ranks.
+``tf.function`` (no MPI barrier there: its busy-wait would slow the
+strategy's threads). Each figure is the median over rounds of a batch's time
+per call, the worse of the two ranks, then the median over ``--repeats`` runs.
 
 Targets (from the issue): matex <= 1.10x raw MPI from 1 MB up, <= +20 us at
 4 KB, and >= 10x faster than MultiWorkerMirroredStrategy up to 1 MB.
