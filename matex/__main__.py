@@ -97,6 +97,12 @@ def _run(argv):
     if rank != 0:
         sys.stdout = _Prefixed(sys.stdout, "[rank %d] " % rank) if all_ranks else open(
             os.devnull, "w")
+    from matex import _resilience
+
+    if _resilience.mode() == "ulfm":
+        # MPI starts now, with the thread that keeps heartbeats flowing while
+        # the script imports TensorFlow and computes.
+        _resilience.keep_progressing()
     if "keras" in sys.modules:
         from matex import _keras_patch
 

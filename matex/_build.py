@@ -244,7 +244,7 @@ def _build_into(target, products, build):
     return target
 
 
-_OPT = ["-O3", "-fPIC", "-shared", "-Wall", "-Wno-sign-compare"]
+_OPT = ["-O3", "-fPIC", "-shared", "-pthread", "-Wall", "-Wno-sign-compare"]
 # the C API only: Open MPI 4's and MPICH's mpi.h otherwise pull in their C++
 # bindings under a C++ compiler (undefined MPI::... symbols at load time)
 _MPI_DEFINES = ["-DOMPI_SKIP_MPICXX=1", "-DMPICH_SKIP_MPICXX=1"]
@@ -277,7 +277,7 @@ def core_dir():
         _say("building the MPI core against %s (one time)..." % libmpi)
         abi = "-D_GLIBCXX_USE_CXX11_ABI=1"
         _run([cxx, "-std=c++17", abi] + _OPT + _MPI_DEFINES + [
-            "-I" + mpi_inc, str(src / "core" / "collectives.cc"),
+            "-I" + mpi_inc, str(src / "core" / "collectives.cc"), str(src / "core" / "progress.cc"),
             "-o", str(tmp / "libmatex_core.so"), "-Wl,-soname,libmatex_core.so",
             libmpi, "-Wl,-rpath," + os.path.dirname(libmpi)])
         _run([cxx, "-std=c++17", abi, "-fvisibility=hidden"] + _OPT + [

@@ -11,6 +11,7 @@ import weakref
 import tensorflow as tf
 
 from matex import _native, _runtime
+from matex._runtime import _run_as_is
 
 REDUCE_OPS = ("sum", "average", "min", "max")
 DTYPES = (tf.float16, tf.bfloat16, tf.float32, tf.float64, tf.int32, tf.int64)
@@ -58,6 +59,7 @@ def _check_op(op):
         raise ValueError("op must be one of %s, not %r" % (", ".join(REDUCE_OPS), op))
 
 
+@_run_as_is
 def allreduce(tensor, op="average", name=None):
     """Reduce ``tensor`` over all ranks; every rank gets the result.
 
@@ -79,6 +81,7 @@ def allreduce(tensor, op="average", name=None):
         return _ops().matex_allreduce(tensor, reduce_op=op, name=name)
 
 
+@_run_as_is
 def grouped_allreduce(tensors, op="average", name=None):
     """Reduce several tensors of one dtype with one fused MPI call."""
     _check_op(op)
@@ -87,6 +90,7 @@ def grouped_allreduce(tensors, op="average", name=None):
         return _ops().matex_grouped_allreduce(tensors, reduce_op=op, name=name)
 
 
+@_run_as_is
 def broadcast(tensor, root=0, name=None):
     """Return rank ``root``'s ``tensor`` on every rank (same shape on all ranks)."""
     tensor = _as_tensor(tensor, "broadcast")
@@ -94,6 +98,7 @@ def broadcast(tensor, root=0, name=None):
         return _ops().matex_broadcast(tensor, root=int(root), name=name)
 
 
+@_run_as_is
 def allgather(tensor, name=None):
     """Concatenate every rank's ``tensor`` along axis 0, in rank order.
 
@@ -104,11 +109,13 @@ def allgather(tensor, name=None):
         return _ops().matex_allgather(tensor, name=name)
 
 
+@_run_as_is
 def comm_info():
     """(rank, size) of the current communicator, read when the op runs."""
     return _ops().matex_comm_info()
 
 
+@_run_as_is
 def broadcast_variables(variables, root=0):
     """Assign rank ``root``'s value to each variable, on every rank."""
     for v in variables:

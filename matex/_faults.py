@@ -14,7 +14,9 @@ Fields of one fault (faults are separated by ``;``):
   gradient allreduce, while the other ranks are already in it), ``begin``
   (before the step's forward pass; Keras ``fit`` only) or ``checkpoint`` (on
   rank 0 while it writes a checkpoint, after the data and before the rename;
-  ``step`` is then the optimizer step at which the checkpoint is written).
+  ``step`` is then the optimizer step at which the checkpoint is written) or
+  ``start`` (under ULFM, during MaTEx's start-up, after MPI is initialised and
+  before the first collective; ``step`` must be 0).
 
 A fault fires once.
 """
@@ -23,7 +25,7 @@ import os
 import signal
 
 KINDS = ("kill", "exception", "hang")
-PLACES = ("allreduce", "begin", "checkpoint")
+PLACES = ("allreduce", "begin", "checkpoint", "start")
 
 
 class InjectedFault(RuntimeError):

@@ -477,7 +477,6 @@ def install():
 
         if _resilience.mode() == "ulfm":
             _resilience.install_excepthook()
-            _resilience.record_peers()
         _optimizer._patch_keras_trainer()
         _patch(trainer.Trainer, "compile", _compile)
         _patch(trainer.Trainer, "get_metrics_result", _get_metrics_result)

@@ -25,7 +25,7 @@ import traceback
 from matex import _runtime
 
 _listeners = []
-_peers = None   # world rank -> (hostname, pid), recorded at start-up under ULFM
+_peers = None   # world rank -> (hostname, pid) of the ranks alive at start-up (ULFM)
 
 
 class RankLoss:
@@ -89,15 +89,64 @@ def is_failure(exc):
     return mpi_error_class(exc) in _failure_classes()
 
 
-def record_peers():
-    """Learn every rank's host and pid (collective on MPI_COMM_WORLD; ULFM only)."""
+PROGRESS_INTERVAL = 0.05   # seconds between a background thread's entries into MPI
+
+
+def keep_progressing():
+    """Under ULFM, keep MPI's progress engine turning from a background thread.
+
+    ``launch.ft_mpi_args`` runs the heartbeat failure detector without its own
+    thread (that thread can crash a peer still in ``MPI_Init``); heartbeats
+    then flow only while some thread is inside MPI, which this thread
+    ensures during long computation. Initialises MPI. Idempotent.
+    """
+    import atexit
+
+    from matex import _native
+
+    core = _native.core()
+    if not core.progress_thread_running():
+        core.start_progress_thread(PROGRESS_INTERVAL)
+        atexit.register(core.stop_progress_thread)
+
+
+def start():
+    """Under ULFM: begin on the ranks alive at start-up and install their communicator.
+
+    The communicator is a shrink of ``MPI_COMM_WORLD`` rather than a duplicate:
+    a rank that died (or was declared dead by the failure detector) before
+    training began is dropped here, uniformly on every survivor, instead of
+    failing the first collective. Also records every survivor's host and pid.
+    """
     global _peers
     import socket
 
     from mpi4py import MPI
 
-    if _peers is None:
-        _peers = MPI.COMM_WORLD.allgather((socket.gethostname(), os.getpid()))
+    from matex import _faults
+
+    world = MPI.COMM_WORLD
+    world.Set_errhandler(MPI.ERRORS_RETURN)
+    keep_progressing()
+    _faults.maybe_fail(0, "start")
+    me = (world.Get_rank(), socket.gethostname(), os.getpid())
+    try:   # every launched rank, to end lost ones that still run on this host
+        _peers = {r: (host, pid) for r, host, pid in world.allgather(me)}
+    except MPI.Exception as exc:
+        if exc.Get_error_class() not in _failure_classes():
+            raise
+    comm = world.Shrink()
+    comm.Set_errhandler(MPI.ERRORS_RETURN)
+    _runtime._set_comm(comm)
+    alive = {r: (host, pid) for r, host, pid in comm.allgather(me)}
+    _peers = _peers or alive
+    lost = sorted(set(range(world.Get_size())) - set(alive))
+    if lost:
+        _end_lost_processes(lost)
+        if comm.Get_rank() == 0:
+            sys.stderr.write("matex: rank(s) %s failed during start-up; %d rank(s) go on\n"
+                             % (", ".join(map(str, lost)), comm.Get_size()))
+            sys.stderr.flush()
 
 
 def _end_lost_processes(world_ranks):
@@ -109,7 +158,7 @@ def _end_lost_processes(world_ranks):
         return
     here = socket.gethostname()
     for rank in world_ranks:
-        host, pid = _peers[rank]
+        host, pid = _peers.get(rank, (None, None))
         if host == here and pid != os.getpid():
             try:
                 os.kill(pid, signal.SIGKILL)
@@ -203,22 +252,30 @@ def check_replicas(arrays, what="model and optimizer state"):
     return mine
 
 
+FAILED_LINE = "matex: rank %d of %d failed; the others continue without it"
+
+
 def die_like_a_crash(text):
     """Print ``text`` prefixed by the rank, then end this rank as a crash would.
 
     Under ULFM a rank that fails must vanish the way a crashed rank does
     (SIGKILL): the survivors detect it and go on. Exiting with a status instead
-    was seen to make the runtime end a later survivor.
+    was seen to make the runtime end a later survivor; so only the last rank
+    (alone in its communicator) exits with status 1. Under ULFM, ``mpiexec``
+    exits 0 even when every rank was killed; ``matexrun`` counts the
+    ``FAILED_LINE`` messages to report that case as a failure.
     """
     import signal
 
     from mpi4py import MPI
 
-    rank = MPI.COMM_WORLD.Get_rank()
+    rank, size = MPI.COMM_WORLD.Get_rank(), MPI.COMM_WORLD.Get_size()
     sys.stderr.write("".join("[rank %d] %s\n" % (rank, line) for line in text.splitlines()))
-    sys.stderr.write("[rank %d] matex: this rank failed; the others continue without it\n" % rank)
+    sys.stderr.write("[rank %d] %s\n" % (rank, FAILED_LINE % (rank, size)))
     sys.stderr.flush()
     sys.stdout.flush()
+    if _runtime._comm is not None and _runtime._comm.Get_size() == 1:
+        os._exit(1)
     os.kill(os.getpid(), signal.SIGKILL)
 
 

@@ -9,10 +9,23 @@ import threading
 import warnings
 
 _lock = threading.RLock()
+
+
+def _run_as_is(function):
+    """Mark ``function`` so TensorFlow's AutoGraph calls it unconverted.
+
+    It is plain Python that creates ops (or none): converting it, and all it
+    calls on first use (loading, building), only yields warnings. This is the
+    mark ``tf.autograph.experimental.do_not_convert`` sets, without its
+    per-call wrapper (eager collectives are on the hot path).
+    """
+    function.autograph_info__ = frozenset()
+    return function
 _comm = None        # mpi4py communicator every collective uses
 _local = None       # ranks of _comm sharing this node
 
 
+@_run_as_is
 def init(comm=None):
     """Start MaTEx on ``comm`` (default: a duplicate of ``MPI.COMM_WORLD``).
 
@@ -29,7 +42,15 @@ def init(comm=None):
                 "MPI was initialised without MPI_THREAD_MULTIPLE; MaTEx runs "
                 "collectives on TensorFlow's threads, so do not call mpi4py "
                 "concurrently with training", RuntimeWarning, stacklevel=2)
-        _set_comm(comm if comm is not None else MPI.COMM_WORLD.Dup())
+        if comm is not None:
+            _set_comm(comm)
+            return
+        from matex import _resilience
+
+        if _resilience.mode() == "ulfm":
+            _resilience.start()
+        else:
+            _set_comm(MPI.COMM_WORLD.Dup())
 
 
 def _set_comm(comm):
@@ -61,28 +82,33 @@ def _core():
     return module
 
 
+@_run_as_is
 def comm():
     """The mpi4py communicator MaTEx currently uses (it may be replaced after a failure)."""
     init()
     return _comm
 
 
+@_run_as_is
 def rank():
     """This process's rank in the current communicator."""
     return comm().Get_rank()
 
 
+@_run_as_is
 def size():
     """Number of ranks in the current communicator."""
     return comm().Get_size()
 
 
+@_run_as_is
 def local_rank():
     """This process's rank among the ranks on the same node."""
     init()
     return _local.Get_rank()
 
 
+@_run_as_is
 def local_size():
     """Number of ranks on this node."""
     init()

@@ -41,13 +41,20 @@ def _launch(tmp_path, nranks, faults=None, ft=True):
     return proc, out
 
 
+def _tail(err):
+    """What a failure message shows of stderr: every MaTEx/MPI event, then the end."""
+    events = [line for line in err.splitlines()
+              if "matex:" in line or "MPI_ERR" in line or "prte" in line.lower()]
+    return "events:\n%s\n...\n%s" % ("\n".join(events[-60:]), err[-3000:])
+
+
 def _finish(proc, timeout=240):
     try:
         out, err = proc.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
         os.killpg(proc.pid, signal.SIGKILL)
         out, err = proc.communicate()
-        raise AssertionError("hung: killed after %d s\n%s\n%s" % (timeout, out[-2000:], err[-4000:]))
+        raise AssertionError("hung: killed after %d s\n%s\n%s" % (timeout, out[-2000:], _tail(err)))
     return out, err
 
 
@@ -56,7 +63,7 @@ def _results(out):
 
 
 def _check(results, survivors, out, err, reference=None):
-    assert sorted(results) == sorted(survivors), (sorted(results), err[-4000:])
+    assert sorted(results) == sorted(survivors), (sorted(results), _tail(err))
     digests = {r["digest"] for r in results.values()}
     assert len(digests) == 1, "survivors' states differ"
     for r in results.values():
@@ -73,7 +80,7 @@ def fault_free(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("fault-free")
     proc, out = _launch(tmp, 4)
     stdout, err = _finish(proc)
-    assert proc.returncode == 0, err[-4000:]
+    assert proc.returncode == 0, _tail(err)
     assert "fault tolerance: ULFM shrink-and-continue" in stdout
     results = _results(out)
     _check(results, [0, 1, 2, 3], out, err)
@@ -89,17 +96,20 @@ def fault_free(tmp_path_factory):
     ("rank=0,step=5,kind=kill;rank=1,step=15,kind=exception;rank=3,step=25,kind=kill", [2]),
     ("rank=3,step=29,kind=kill", [0, 1, 2]),                       # last step
     ("rank=2,step=10,kind=kill,at=begin", [0, 1, 3]),              # before the forward pass
+    ("rank=1,step=0,kind=kill,at=start", [0, 2, 3]),               # during MaTEx's start-up
 ], ids=["kill-middle-mid", "kill-rank0-first", "exception-last-boundary", "hang-middle",
-        "two-at-once", "down-to-one", "kill-last-step", "kill-at-begin"])
+        "two-at-once", "down-to-one", "kill-last-step", "kill-at-begin", "kill-at-start"])
 def test_survivors_finish_with_nothing_lost_or_repeated(tmp_path, fault_free, faults,
                                                         survivors):
     proc, out = _launch(tmp_path, 4, faults)
     stdout, err = _finish(proc)
     # survivors exit 0; a failed rank (killed, hung or raising) ends as a crash
-    assert proc.returncode == 0, err[-4000:]
+    assert proc.returncode == 0, _tail(err)
     assert err.count("matex: injecting fault") == faults.count("rank=")
     if "exception" in faults:
         assert "InjectedFault" in err and "the others continue without it" in err
+    if "at=start" in faults:
+        assert "matex: rank(s) 1 failed during start-up; 3 rank(s) go on" in err
     _check(_results(out), survivors, out, err, reference=fault_free)
 
 
@@ -112,12 +122,12 @@ def test_kill_9_from_outside_at_a_random_moment(tmp_path, fault_free):
     if not os.path.exists(out + ".started"):
         stdout, err = _finish(proc)
         raise AssertionError("training never started (exit %s)\n%s" % (proc.returncode,
-                                                                     err[-4000:]))
+                                                                     _tail(err)))
     time.sleep(random.uniform(0.0, 1.5))
     victim = random.choice([0, 1, 2, 3])
     os.kill(int(open("%s.pid.%d" % (out, victim)).read()), signal.SIGKILL)
     stdout, err = _finish(proc)
-    assert proc.returncode == 0, err[-4000:]
+    assert proc.returncode == 0, _tail(err)
     survivors = [r for r in range(4) if r != victim]
     results = _results(out)
     if len(results) == 4:   # the victim had already finished: nothing to recover
@@ -133,6 +143,50 @@ def test_without_ulfm_a_failure_ends_the_job_and_says_which_mode(tmp_path):
     assert _results(out) == {}
 
 
+@pytest.mark.parametrize("failing,code", [("0,1", 1), ("1", 0)], ids=["all", "one"])
+def test_matexrun_exits_1_when_every_rank_failed(tmp_path, failing, code):
+    # Under ULFM mpiexec exits 0 even when every rank died: matexrun counts
+    # the ranks' failure reports.
+    script = tmp_path / "fail.py"
+    script.write_text("import sys\nimport matex\n"
+                      "if matex.rank() in map(int, sys.argv[1].split(',')):\n"
+                      "    raise ValueError('boom on rank %d' % matex.rank())\n")
+    matexrun = os.path.join(os.path.dirname(sys.executable), "matexrun")
+    proc = subprocess.Popen([matexrun, "--ft", "-n", "2", str(script), failing],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True)
+    stdout, err = _finish(proc, timeout=120)
+    assert proc.returncode == code, _tail(err)
+    assert err.count("ValueError: boom on rank") == failing.count(",") + 1
+    assert ("matexrun: every rank failed (2 of 2)" in err) == (code == 1)
+
+
+def test_long_computation_is_not_mistaken_for_a_hang(tmp_path):
+    # Computing longer than the detector's timeout, outside MPI and holding
+    # Python's GIL: MaTEx's progress thread keeps the heartbeats flowing.
+    script = tmp_path / "compute.py"
+    # Rank 0 waits inside MPI, watching (ring detector) rank 2, which computes
+    # for 1.6 timeouts: without heartbeats from rank 2 it would be declared dead.
+    script.write_text(
+        "import sys\nimport time\nimport matex\n"
+        "comm = matex.comm()\n"
+        "t = time.time()\n"
+        "while matex.rank() > 0 and time.time() - t < 1.6 * float(sys.argv[1]):\n"
+        "    pass\n"
+        "total = comm.allreduce(1)\n"
+        "print('ranks', total, matex.size(), flush=True)\n")
+    ft = launch.ft_mpi_args()
+    timeout = ft[ft.index("mpi_ft_detector_timeout") + 1]
+    cmd = launch.mpiexec_command(3, [sys.executable, "-m", "matex", "--all-ranks", str(script),
+                                     timeout], mpi_args=ft)
+    env = launch.launch_env()
+    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True, start_new_session=True)
+    stdout, err = _finish(proc, timeout=120)
+    assert proc.returncode == 0, _tail(err)
+    assert stdout.count("ranks 3 3") == 3, (stdout, _tail(err))
+
+
 def test_custom_loop_under_run_resilient(tmp_path):
     out = str(tmp_path / "c")
     env = launch.launch_env()
@@ -143,7 +197,7 @@ def test_custom_loop_under_run_resilient(tmp_path):
     proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                             text=True, start_new_session=True)
     stdout, err = _finish(proc)
-    assert proc.returncode == 0, err[-4000:]
+    assert proc.returncode == 0, _tail(err)
     results = _results(out)
     assert sorted(results) == [0, 2]
     assert len({r["digest"] for r in results.values()}) == 1
@@ -165,7 +219,7 @@ def test_without_ulfm_restart_resumes_from_an_intact_checkpoint(tmp_path):
         env={**os.environ, "TF_CPP_MIN_LOG_LEVEL": "2"}, stdout=subprocess.PIPE,
         stderr=subprocess.PIPE, text=True, start_new_session=True)
     stdout, err = _finish(proc, timeout=300)
-    assert proc.returncode == 0, err[-4000:]
+    assert proc.returncode == 0, _tail(err)
     assert "fault tolerance: checkpoint/restart" in stdout
     assert "restarting from the last checkpoint" in err and "on 2 rank(s)" in err
     assert "resumed from the checkpoint" in stdout and "at epoch 2" in stdout

@@ -106,6 +106,14 @@ Status Allgather(const TensorRef& in, DataType dtype,
 // alike) since the library was loaded. For tests and benchmarks.
 int64_t CollectiveCallCount();
 
+// Enter MPI from a background thread every `interval_seconds`, so that MPI's
+// progress engine (ULFM's heartbeat failure detector) runs while every other
+// thread computes. Idempotent; Stop joins the thread (call before
+// MPI_Finalize).
+void StartProgressThread(double interval_seconds);
+void StopProgressThread();
+bool ProgressThreadRunning();
+
 }  // namespace matex
 
 #endif  // MATEX_CORE_H_

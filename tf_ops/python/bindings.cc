@@ -153,6 +153,11 @@ PYBIND11_MODULE(_matex_core, m) {
   m.def("set_agreement_check", &matex::SetAgreementCheck, py::arg("enabled"));
   m.def("agreement_check", &matex::AgreementCheck);
   m.def("collective_call_count", &matex::CollectiveCallCount);
+  m.def("start_progress_thread", &matex::StartProgressThread, py::arg("interval_seconds"),
+        py::call_guard<py::gil_scoped_release>());
+  m.def("stop_progress_thread", &matex::StopProgressThread,
+        py::call_guard<py::gil_scoped_release>());
+  m.def("progress_thread_running", &matex::ProgressThreadRunning);
   m.def("comm_info", [] {
     int rank = 0, size = 0;
     matex::Status s = matex::CommInfo(&rank, &size);
