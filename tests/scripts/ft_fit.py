@@ -7,6 +7,7 @@ Usage: ft_fit.py OUT N_SAMPLES BATCH EPOCHS
 
 import json
 import os
+import socket
 import sys
 
 import keras
@@ -44,12 +45,24 @@ model = keras.Sequential([keras.Input((7,)), CountSamples(),
 model.compile(optimizer=keras.optimizers.Adam(0.01), metrics=["accuracy"],
               loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
 
+recoveries = []
+world_rank = int(os.environ.get("OMPI_COMM_WORLD_RANK", "0"))
+
+
 class Progress(keras.callbacks.Callback):
-    """Marks that training is under way (for tests that kill from outside)."""
+    """Marks that training is under way (for tests that kill from outside) and
+    records recoveries (MaTEx calls ``on_rank_loss`` on callbacks that have it)."""
 
     def on_train_batch_end(self, batch, logs=None):
-        if batch == 2:
+        if batch == 2 and not os.path.exists("%s.ready%d.json" % (out, world_rank)):
             open(out + ".started", "w").close()
+            with open("%s.ready%d.json" % (out, world_rank), "w") as f:
+                json.dump({"rank": world_rank, "hostname": socket.gethostname(),
+                           "pid": os.getpid()}, f)
+
+    def on_rank_loss(self, info):
+        recoveries.append({"lost": info.lost, "new_size": info.new_size,
+                           "started": info.started, "seconds": info.seconds})
 
 
 history = model.fit(x, y, batch_size=batch, epochs=epochs, shuffle=True, verbose=0,
@@ -61,7 +74,8 @@ from matex import _resilience  # noqa: E402
 state = [v.numpy() for v in model.variables + model.optimizer.variables]
 result = {"seen": model.layers[0].seen.numpy().tolist(), "loss": history.history["loss"],
           "accuracy": acc, "size": matex.size(), "digest": _resilience.digest(state),
-          "iterations": int(model.optimizer.iterations)}
+          "iterations": int(model.optimizer.iterations), "recoveries": recoveries,
+          "hostname": socket.gethostname()}
 from mpi4py import MPI  # noqa: E402
 
 with open("%s.%d" % (out, MPI.COMM_WORLD.Get_rank()), "w") as f:
