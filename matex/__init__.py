@@ -12,9 +12,9 @@
 Run under MPI: ``mpiexec -n 4 python train.py``.
 """
 
-import os as _os
+from matex import _resilience
 
-if _os.environ.get("OMPI_MCA_mpi_ft_enable") == "1":
+if _resilience.launched_with_ft():
     # Under ULFM (mpiexec --with-ft ulfm) MPI_Finalize can wait forever on the
     # failure detector once a rank has died: skip it, as a crashed rank would.
     # Exit codes are kept. Effective if mpi4py.MPI is not imported yet.

@@ -49,12 +49,18 @@ class RankLoss:
             self.lost, self.old_size, self.new_size, self.seconds, self.resync_seconds)
 
 
+def launched_with_ft():
+    """Whether the launcher asked for ULFM (``mpiexec --with-ft ulfm``); no MPI needed."""
+    return os.environ.get("OMPI_MCA_mpi_ft_enable", "").lower() in ("1", "true", "yes")
+
+
 def mode():
     """"ulfm" when launched with ULFM fault tolerance, else "none"."""
+    if not launched_with_ft():
+        return "none"   # without initialising MPI
     from mpi4py import MPI
 
-    enabled = os.environ.get("OMPI_MCA_mpi_ft_enable", "").lower() in ("1", "true", "yes")
-    return "ulfm" if enabled and hasattr(MPI.Comm, "Shrink") else "none"
+    return "ulfm" if hasattr(MPI.Comm, "Shrink") else "none"
 
 
 def describe_mode():
