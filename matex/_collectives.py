@@ -20,9 +20,15 @@ DTYPES = (tf.float16, tf.bfloat16, tf.float32, tf.float64, tf.int32, tf.int64)
 _barriers = weakref.WeakKeyDictionary()   # graph -> op every later collective waits for
 
 
+_loaded = None   # the op library, once the C++ side holds a communicator
+
+
 def _ops():
-    _runtime._core()  # communicator handed to the C++ side before any op runs
-    return _native.tf_ops()
+    global _loaded
+    if _loaded is None:
+        _runtime._core()  # communicator handed to the C++ side before any op runs
+        _loaded = _native.tf_ops()
+    return _loaded
 
 
 def set_barrier(op):
@@ -39,6 +45,15 @@ def _after_barrier():
         return []
     op = _barriers.get(tf.compat.v1.get_default_graph())
     return [op] if op is not None else []
+
+
+def _issue(make, *args, **kwargs):
+    """``make(*args, **kwargs)`` with the op after the graph's barrier, if any."""
+    barrier = _after_barrier()
+    if not barrier:   # eagerly, or no weight update yet in this graph: nothing to wait for
+        return make(*args, **kwargs)
+    with tf.control_dependencies(barrier):
+        return make(*args, **kwargs)
 
 
 _DTYPE_SET = frozenset(DTYPES)   # DType.__eq__ is slow Python: test membership by hash
@@ -77,8 +92,7 @@ def allreduce(tensor, op="average", name=None):
     """
     _check_op(op)
     tensor = _as_tensor(tensor, "allreduce")
-    with tf.control_dependencies(_after_barrier()):
-        return _ops().matex_allreduce(tensor, reduce_op=op, name=name)
+    return _issue(_ops().matex_allreduce, tensor, reduce_op=op, name=name)
 
 
 @_run_as_is
@@ -86,16 +100,14 @@ def grouped_allreduce(tensors, op="average", name=None):
     """Reduce several tensors of one dtype with one fused MPI call."""
     _check_op(op)
     tensors = [_as_tensor(t, "grouped_allreduce") for t in tensors]
-    with tf.control_dependencies(_after_barrier()):
-        return _ops().matex_grouped_allreduce(tensors, reduce_op=op, name=name)
+    return _issue(_ops().matex_grouped_allreduce, tensors, reduce_op=op, name=name)
 
 
 @_run_as_is
 def broadcast(tensor, root=0, name=None):
     """Return rank ``root``'s ``tensor`` on every rank (same shape on all ranks)."""
     tensor = _as_tensor(tensor, "broadcast")
-    with tf.control_dependencies(_after_barrier()):
-        return _ops().matex_broadcast(tensor, root=int(root), name=name)
+    return _issue(_ops().matex_broadcast, tensor, root=int(root), name=name)
 
 
 @_run_as_is
@@ -105,8 +117,7 @@ def allgather(tensor, name=None):
     First dimensions may differ between ranks; the other dimensions must agree.
     """
     tensor = _as_tensor(tensor, "allgather")
-    with tf.control_dependencies(_after_barrier()):
-        return _ops().matex_allgather(tensor, name=name)
+    return _issue(_ops().matex_allgather, tensor, name=name)
 
 
 @_run_as_is

@@ -101,6 +101,31 @@ def test_allgather_empty_rank():
     assert got.shape == (2 * (N - 1), 3)
 
 
+@pytest.mark.parametrize("mode", MODES)
+def test_large_outputs_held_by_the_caller_are_never_overwritten(mode):
+    # Outputs of >= 64 KB are recycled by the kernel once nothing else holds
+    # them: results still held must keep their values through later calls.
+    n = 1 << 15   # 128 KB of float32
+
+    def four_calls(a, b):
+        return (matex.allreduce(a, "sum"), matex.allreduce(b, "sum"),
+                matex.broadcast(a, root=N - 1), matex.broadcast(b, root=0))
+
+    inputs = [tf.fill([n], float(R + k)) for k in (1, 100)]
+    fn = tf.function(four_calls) if mode == "function" else four_calls
+    held = [fn(*inputs) for _ in range(3)]   # the same kernels run three times
+    dropped = None
+    for _ in range(3):
+        dropped = fn(*inputs)   # results dropped: their buffers may be reused
+    del dropped
+    total = sum(range(N))
+    for sums_a, sums_b, root_a, root_b in held + [fn(*inputs)]:
+        np.testing.assert_array_equal(sums_a.numpy(), np.full(n, total + N))
+        np.testing.assert_array_equal(sums_b.numpy(), np.full(n, total + 100 * N))
+        np.testing.assert_array_equal(root_a.numpy(), np.full(n, N))
+        np.testing.assert_array_equal(root_b.numpy(), np.full(n, 100))
+
+
 def test_allreduce_gradient_sum_and_average():
     x = tf.Variable(rank_values(R, (4,), tf.float32).astype(np.float32))
     with tf.GradientTape(persistent=True) as tape:

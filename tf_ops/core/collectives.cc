@@ -183,16 +183,29 @@ Status AllreduceInto(MPI_Comm comm, const void* in, void* data, int64_t count,
 
 enum class Kind : int64_t { kAllreduce = 1, kFused = 2, kBroadcast = 3, kAllgather = 4 };
 
-struct Signature {
-  uint64_t hash = 1469598103934665603ull;  // FNV-1a
-  std::string text;                        // human description, for errors
-  void Add(int64_t v) {
+using Shapes = std::vector<const std::vector<int64_t>*>;
+
+// FNV-1a hash of what a collective is about to do; equal on every rank that
+// runs the same collective on tensors of the same dtype and shape.
+uint64_t SignatureHash(Kind kind, DataType dtype, int64_t param, const Shapes& shapes) {
+  uint64_t hash = 1469598103934665603ull;
+  auto add = [&hash](int64_t v) {
     for (int i = 0; i < 8; ++i) {
       hash ^= uint64_t((v >> (8 * i)) & 0xff);
       hash *= 1099511628211ull;
     }
+  };
+  add(int64_t(kind));
+  add(int64_t(dtype));
+  add(param);
+  add(int64_t(shapes.size()));
+  const bool skip_first = kind == Kind::kAllgather;
+  for (const auto* shape : shapes) {
+    add(int64_t(shape->size()));
+    for (size_t i = skip_first ? 1 : 0; i < shape->size(); ++i) add((*shape)[i]);
   }
-};
+  return hash;
+}
 
 std::string ShapeText(DataType dtype, const std::vector<int64_t>& shape,
                       bool skip_first) {
@@ -206,18 +219,8 @@ std::string ShapeText(DataType dtype, const std::vector<int64_t>& shape,
   return s.str();
 }
 
-Signature MakeSignature(Kind kind, DataType dtype, int64_t param,
-                        const std::vector<const std::vector<int64_t>*>& shapes) {
-  Signature sig;
-  sig.Add(int64_t(kind));
-  sig.Add(int64_t(dtype));
-  sig.Add(param);
-  sig.Add(int64_t(shapes.size()));
-  bool skip_first = kind == Kind::kAllgather;
-  for (const auto* shape : shapes) {
-    sig.Add(int64_t(shape->size()));
-    for (size_t i = skip_first ? 1 : 0; i < shape->size(); ++i) sig.Add((*shape)[i]);
-  }
+// The same, for people: only built when ranks disagree.
+std::string SignatureText(Kind kind, DataType dtype, int64_t param, const Shapes& shapes) {
   std::ostringstream t;
   switch (kind) {
     case Kind::kAllreduce: t << "allreduce(" << ReduceOpName(ReduceOp(param)) << ") of "; break;
@@ -226,7 +229,7 @@ Signature MakeSignature(Kind kind, DataType dtype, int64_t param,
     case Kind::kAllgather: t << "allgather of "; break;
   }
   if (shapes.size() == 1) {
-    t << ShapeText(dtype, *shapes[0], skip_first);
+    t << ShapeText(dtype, *shapes[0], kind == Kind::kAllgather);
   } else {
     int64_t total = 0;
     for (const auto* s : shapes) {
@@ -237,16 +240,16 @@ Signature MakeSignature(Kind kind, DataType dtype, int64_t param,
     t << shapes.size() << " " << DataTypeName(dtype) << " tensors (" << total
       << " elements)";
   }
-  sig.text = t.str();
-  return sig;
+  return t.str();
 }
 
 // One tiny allreduce: every rank learns whether all ranks are about to run the
 // same collective on tensors of the same dtype and shape. On disagreement all
 // ranks gather each other's descriptions and fail with the same message.
-Status Agree(MPI_Comm comm, const Signature& sig) {
+Status Agree(MPI_Comm comm, Kind kind, DataType dtype, int64_t param, const Shapes& shapes) {
   if (!g_check.load(std::memory_order_relaxed)) return Status::Ok();
-  int64_t h = int64_t(sig.hash >> 2);  // non-negative, so -h cannot overflow
+  // non-negative, so -h cannot overflow
+  int64_t h = int64_t(SignatureHash(kind, dtype, param, shapes) >> 2);
   int64_t v[2] = {h, -h};
   MATEX_COLL(MPI_Allreduce(MPI_IN_PLACE, v, 2, MPI_INT64_T, MPI_MAX, comm),
             "MPI_Allreduce (agreement check)");
@@ -255,7 +258,7 @@ Status Agree(MPI_Comm comm, const Signature& sig) {
   int size = 0;
   MATEX_MPI(MPI_Comm_size(comm, &size), "MPI_Comm_size");
   std::vector<char> mine(kLen, 0), all(size_t(kLen) * size, 0);
-  std::strncpy(mine.data(), sig.text.c_str(), kLen - 1);
+  std::strncpy(mine.data(), SignatureText(kind, dtype, param, shapes).c_str(), kLen - 1);
   MATEX_COLL(MPI_Allgather(mine.data(), kLen, MPI_CHAR, all.data(), kLen,
                           MPI_CHAR, comm),
             "MPI_Allgather (agreement report)");
@@ -343,7 +346,7 @@ Status Allreduce(const TensorRef& in, void* out, DataType dtype, ReduceOp op) {
   MPI_Comm comm;
   Status s = CurrentComm(&comm);
   if (!s.ok()) return s;
-  s = Agree(comm, MakeSignature(Kind::kAllreduce, dtype, int64_t(op), {&in.shape}));
+  s = Agree(comm, Kind::kAllreduce, dtype, int64_t(op), {&in.shape});
   if (!s.ok()) return s;
   const int64_t n = in.num_elements();
   if (n == 0) return Status::Ok();
@@ -360,9 +363,9 @@ Status FusedAllreduce(const std::vector<TensorRef>& ins,
   MPI_Comm comm;
   Status s = CurrentComm(&comm);
   if (!s.ok()) return s;
-  std::vector<const std::vector<int64_t>*> shapes;
+  Shapes shapes;
   for (const auto& t : ins) shapes.push_back(&t.shape);
-  s = Agree(comm, MakeSignature(Kind::kFused, dtype, int64_t(op), shapes));
+  s = Agree(comm, Kind::kFused, dtype, int64_t(op), shapes);
   if (!s.ok()) return s;
   const size_t esize = DataTypeSize(dtype);
   int64_t total = 0;
@@ -400,7 +403,7 @@ Status Broadcast(void* data, const std::vector<int64_t>& shape, DataType dtype,
                            " is not a rank of a communicator of size " +
                            std::to_string(size));
   }
-  s = Agree(comm, MakeSignature(Kind::kBroadcast, dtype, root, {&shape}));
+  s = Agree(comm, Kind::kBroadcast, dtype, root, {&shape});
   if (!s.ok()) return s;
   int64_t n = 1;
   for (int64_t d : shape) n *= d;
@@ -424,7 +427,7 @@ Status Allgather(const TensorRef& in, DataType dtype,
   MPI_Comm comm;
   Status s = CurrentComm(&comm);
   if (!s.ok()) return s;
-  s = Agree(comm, MakeSignature(Kind::kAllgather, dtype, 0, {&in.shape}));
+  s = Agree(comm, Kind::kAllgather, dtype, 0, {&in.shape});
   if (!s.ok()) return s;
   int size = 0;
   MATEX_MPI(MPI_Comm_size(comm, &size), "MPI_Comm_size");
