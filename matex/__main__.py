@@ -6,49 +6,17 @@ codes behave as when it runs alone). When it imports Keras (``import keras``,
 than 0 print nothing on stdout unless ``--all-ranks`` is given, in which case
 their lines are prefixed with ``[rank N]``. An uncaught exception on any rank
 prints its traceback and aborts the whole MPI job, so no rank hangs.
+
+Before the script runs on several ranks, Python's ``random``, NumPy's global
+generator and TensorFlow's global seed are seeded with one seed from rank 0,
+so that the randomness an unseeded script draws agrees on every rank
+(``matex._transparent``).
 """
 
-import importlib.abc
-import importlib.util
 import os
 import runpy
 import sys
 import traceback
-
-
-class _PatchKerasOnImport(importlib.abc.MetaPathFinder):
-    """Install MaTEx's Keras patches right after Keras is first executed.
-
-    Stays in place until then: TensorFlow probes for Keras with find_spec
-    before importing it.
-    """
-
-    def __init__(self):
-        self.searching = False
-
-    def find_spec(self, name, path, target=None):
-        if name != "keras" or self.searching:
-            return None
-        self.searching = True
-        try:
-            spec = importlib.util.find_spec(name)
-        finally:
-            self.searching = False
-        if spec is None or spec.loader is None:
-            return spec
-        execute = spec.loader.exec_module
-        finder = self
-
-        def exec_module(module):
-            execute(module)
-            if finder in sys.meta_path:
-                sys.meta_path.remove(finder)
-            from matex import _keras_patch
-
-            _keras_patch.install()
-
-        spec.loader.exec_module = exec_module
-        return spec
 
 
 class _Prefixed:
@@ -103,15 +71,18 @@ def _run(argv):
         # MPI starts now, with the thread that keeps heartbeats flowing while
         # the script imports TensorFlow and computes.
         _resilience.keep_progressing()
-    if "keras" in sys.modules:
-        from matex import _keras_patch
+    from matex import _transparent
 
-        _keras_patch.install()
-    else:
-        sys.meta_path.insert(0, _PatchKerasOnImport())
     sys.argv = list(argv)
     sys.path.insert(0, os.path.dirname(os.path.abspath(script)))
     try:
+        size = _transparent.launched_size()
+        if size == 1:
+            _transparent.leave_script_rngs_alone()
+        elif size:
+            _transparent.seed_script_rngs()
+        # (launcher unknown: seeded when Keras is imported, see _keras_patch.install)
+        _transparent.after_import("keras", _install_keras_patch)
         runpy.run_path(script, run_name="__main__")
     except SystemExit as exc:
         code = exc.code
@@ -124,6 +95,12 @@ def _run(argv):
     finally:
         sys.stdout.flush()
     return 0
+
+
+def _install_keras_patch(module):
+    from matex import _keras_patch
+
+    _keras_patch.install()
 
 
 def _abort_job():

@@ -19,6 +19,9 @@
 * ``MATEX_SCALING=weak`` (or ``fit(..., scaling="weak")``) keeps the per-rank
   batch, multiplies the learning rate by the number of ranks and warms it up
   linearly over the first epoch (Goyal et al., 2017).
+* shuffling: arrays and ``PyDataset`` batch orders are permuted by MaTEx with
+  a seed shared by all ranks (Keras gets ``shuffle=False``); the script's own
+  randomness is seeded alike on every rank (``_transparent``).
 """
 
 import functools
@@ -52,16 +55,32 @@ def _call(function, bound):
 
 
 def _shared_seed():
-    seed = int(np.random.SeedSequence().entropy % (2 ** 31)) if _runtime.rank() == 0 else None
-    return _runtime.comm().bcast(seed, root=0)
+    """A shuffling seed drawn from NumPy's global generator: rank 0's, on every rank.
+
+    Every rank draws (generators that agree keep agreeing); rank 0's value
+    is used everywhere, so a script seeded per rank still shuffles one way.
+    A seeded script shuffles reproducibly; an unseeded one differently every
+    run (transparent mode seeds NumPy from fresh entropy, see _transparent).
+    """
+    mine = int(np.random.randint(2 ** 31 - 1))
+    return _runtime.comm().bcast(mine, root=0)
+
+
+def _shuffles_itself(x):
+    """Whether MaTEx, not Keras, shuffles ``fit``'s input ``x`` when ``shuffle=True``."""
+    return _sharding.is_array_input(x) or isinstance(x, keras.utils.PyDataset)
 
 
 def _present(*parts):
     return tuple(p for p in parts if p is not None)
 
 
-def _shard_input(x, y, sample_weight, batch_size, shuffle, seed):
-    """(x, y, sample_weight, batch_size) to pass to Keras for this rank."""
+def _shard_input(x, y, sample_weight, batch_size, shuffle, seed, epoch=0):
+    """(x, y, sample_weight, batch_size) to pass to Keras for this rank.
+
+    Arrays and ``PyDataset`` batches are shuffled here, with permutations from
+    ``(seed, epoch)`` shared by all ranks (Keras must then get shuffle=False).
+    """
     if x is None:
         return x, y, sample_weight, batch_size
     if isinstance(x, tf.data.Dataset):
@@ -69,7 +88,7 @@ def _shard_input(x, y, sample_weight, batch_size, shuffle, seed):
     if isinstance(x, keras.utils.PyDataset):
         if getattr(x, _sharding.SHARDED_ATTR, False):
             return x, y, sample_weight, None
-        return _sharding.shard_pydataset(x), y, sample_weight, None
+        return _sharding.shard_pydataset(x, shuffle, seed, epoch), y, sample_weight, None
     if inspect.isgenerator(x) or (hasattr(x, "__next__") and hasattr(x, "__iter__")):
         return _sharding.shard_generator(x), y, sample_weight, None
     if _sharding.is_array_input(x):
@@ -132,7 +151,7 @@ class _TrainInput:
             raise RuntimeError(
                 "cannot resume training after a rank failure: fit's input is not re-iterable "
                 "from a given step (use arrays or a tf.data dataset of known length)")
-        return _shard_input(x, y, sw, batch, shuffle, seed)
+        return _shard_input(x, y, sw, batch, shuffle, seed, epoch)
 
 
 class _StepSnapshot(keras.callbacks.Callback):
@@ -215,7 +234,8 @@ def _fit(original):
                 _present(x, y, sw) + (None,) * (3 - len(_present(x, y, sw))),
                 validation_split=a["validation_split"])
             a["validation_split"] = 0.0
-        train = _TrainInput(x, y, sw, batch, a["shuffle"], _shared_seed())
+        shuffle = bool(a["shuffle"]) and _shuffles_itself(x)
+        train = _TrainInput(x, y, sw, batch, shuffle, _shared_seed() if shuffle else 0)
         validation = a["validation_data"]
         vbatch = a["validation_batch_size"] or batch
         a["validation_batch_size"] = None
@@ -238,8 +258,11 @@ def _fit(original):
         self._matex_weighted = True
         while epoch < epochs:
             a["x"], a["y"], a["sample_weight"], a["batch_size"] = train.at(epoch, step)
-            if isinstance(a["x"], tf.data.Dataset):
-                a["shuffle"] = False   # shuffled by MaTEx, or the dataset's own business
+            if isinstance(a["x"], (tf.data.Dataset, keras.utils.PyDataset)):
+                # shuffled by MaTEx (the same on every rank), or the dataset's
+                # own business: Keras would shuffle PyDataset batches with each
+                # rank's own `random`
+                a["shuffle"] = False
             if validation is not None:
                 if isinstance(validation, (tuple, list)) and _sharding.is_array_input(
                         validation[0]):
@@ -473,7 +496,9 @@ def install():
         from keras.src.trainers import trainer
 
         _runtime.init()
-        from matex import _resilience
+        from matex import _resilience, _transparent
+
+        _transparent.seed_script_rngs()   # once; python -m matex did it before the script
 
         if _resilience.mode() == "ulfm":
             _resilience.install_excepthook()

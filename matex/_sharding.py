@@ -12,10 +12,12 @@ single-process update on the global batch. A rank whose slice is empty
 contributes zero.
 
 Inputs: NumPy arrays (and lists/dicts of them) are shuffled per epoch with one
-permutation from ``(seed, epoch)`` shared by all ranks; ``tf.data`` datasets,
-Python generators and ``keras.utils.PyDataset`` yield global batches that every
-rank produces and slices (datasets from ``matex.readers`` are already sharded
-and pass through).
+permutation from ``(seed, epoch)`` shared by all ranks, and so is the batch
+order of a ``keras.utils.PyDataset``; ``tf.data`` datasets, Python generators
+and ``PyDataset`` batches are global batches that every rank produces and
+slices (datasets from ``matex.readers`` are already sharded and pass through).
+Any randomness in producing them must agree across ranks: transparent mode
+seeds the script's generators alike on every rank (``_transparent``).
 """
 
 import numpy as np
@@ -112,28 +114,57 @@ def shard_generator(generator):
         yield tf.nest.map_structure(lambda a: a[lo:hi], batch)
 
 
-def shard_pydataset(pydataset):
-    """A ``keras.utils.PyDataset`` whose batches are this rank's slices."""
+def shard_pydataset(pydataset, shuffle=False, seed=0, epoch=0):
+    """A ``keras.utils.PyDataset`` whose batches are this rank's slices.
+
+    With ``shuffle`` the batch order is permuted per epoch, the permutation
+    drawn from ``(seed, epoch)``: the same on every rank (Keras's own shuffle
+    draws from each rank's ``random``, so ranks would take slices of
+    different global batches). The epoch advances in ``on_epoch_end``, which
+    Keras calls between epochs once no batch of the ending epoch is pending
+    (and once before training: a shift that is the same on every rank).
+    ``workers``, ``use_multiprocessing`` and ``max_queue_size`` are kept.
+    """
     import keras
+
+    batches = pydataset.num_batches
 
     class _Sharded(keras.utils.PyDataset):
         def __init__(self):
-            super().__init__()
+            super().__init__(workers=pydataset.workers,
+                             use_multiprocessing=pydataset.use_multiprocessing,
+                             max_queue_size=pydataset.max_queue_size)
             setattr(self, SHARDED_ATTR, True)
+            self.epoch = epoch
+            self.order = (None, None)   # (epoch, permutation)
 
         def __len__(self):
             return len(pydataset)
 
         @property
         def num_batches(self):
-            return pydataset.num_batches
+            return batches
+
+        def _index(self, index):
+            if not shuffle or batches is None or not 0 <= index < batches:
+                return index
+            epoch_now, order = self.order
+            if epoch_now != self.epoch:
+                epoch_now = self.epoch
+                order = np.random.default_rng([seed, epoch_now]).permutation(batches)
+                self.order = (epoch_now, order)
+            return int(order[index])
 
         def __getitem__(self, index):
-            batch = pydataset[index]
+            batch = pydataset[self._index(index)]
             lo, hi = slice_bounds(_rows(batch), _runtime.rank(), _runtime.size())
             return tf.nest.map_structure(lambda a: a[lo:hi], batch)
 
+        def on_epoch_begin(self):
+            pydataset.on_epoch_begin()
+
         def on_epoch_end(self):
+            self.epoch += 1
             pydataset.on_epoch_end()
 
     return _Sharded()

@@ -22,48 +22,107 @@ def _single(tmp_path, *args):
 
 
 def _distributed(tmp_path, nranks, *args):
-    out = str(tmp_path / "many.json")
+    """The script under mpiexec and python -m matex: every rank's result."""
+    out = str(tmp_path / ("many%d.json" % nranks))
     proc = mpitools.run_mpi(nranks, [sys.executable, "-m", "matex", SCRIPT, out] + list(args),
                             timeout=600)
     assert proc.returncode == 0, proc.stderr[-5000:]
     return [json.load(open("%s.%d" % (out, r))) for r in range(nranks)]
 
 
-@pytest.mark.parametrize("nranks,kind,n,batch", [
-    (2, "arrays", 96, 16),       # even split
-    (3, "arrays", 101, 16),      # batch not divisible by ranks, partial last batch
-    (3, "dataset", 50, 8),       # tf.data of global batches
-    (2, "generator", 45, 10),    # Python generator
-    (3, "pydataset", 40, 7),     # keras.utils.PyDataset, 40 % 7 != 0
+def _each_sample_once_per_epoch(runs, batch):
+    """Every sample trained (validated) on exactly once per epoch, by exactly one rank.
+
+    ``runs``: one kind's result on every rank.
+    """
+    nranks = len(runs)
+    for key, ids in (("seen", runs[0]["train_ids"]), ("vseen", runs[0]["val_ids"])):
+        counts = np.array([run[key] for run in runs])           # rank, epoch, sample id
+        expected = np.zeros(counts.shape[1:])
+        expected[:, ids] = 1.0
+        np.testing.assert_array_equal(counts.sum(0), expected, err_msg=key)
+        # sharded, not repeated: each rank holds about 1/N of every epoch
+        for r in range(nranks):
+            for share in counts[r].sum(1):
+                assert abs(share - len(ids) / nranks) <= -(-len(ids) // batch), (key, r, share)
+
+
+@pytest.mark.parametrize("nranks,kinds,n,batch", [
+    # batch divisible by the ranks, partial last batches (arrays: 67 rows after the split)
+    (2, "arrays,generator", 90, 16),
+    # batch not divisible by the ranks, partial last batch; tf.data and PyDataset
+    (3, "arrays,dataset,pydataset", 101, 16),
 ])
-def test_unmodified_script_matches_one_process(tmp_path, nranks, kind, n, batch):
-    one = _single(tmp_path, kind, str(n), str(batch))
-    many = _distributed(tmp_path, nranks, kind, str(n), str(batch))
-    # identical weights on every rank (bitwise), close to the 1-process run
-    for other in many[1:]:
-        assert other["weights"] == many[0]["weights"]
-    for a, b in zip(one["weights"], many[0]["weights"]):
-        np.testing.assert_allclose(np.array(b), np.array(a), rtol=1e-4, atol=1e-6)
-    np.testing.assert_allclose(many[0]["loss"], one["loss"], rtol=1e-4)
-    # every sample trained on exactly once per epoch, by exactly one rank
-    seen = np.array([m["seen"] for m in many])
-    assert seen.sum(0).tolist() == [3.0] * n
-    for r in range(nranks):
-        share = seen[r].sum() / 3
-        assert abs(share - n / nranks) <= -(-n // batch), (r, share)
-    # exact global metrics and complete, ordered predictions
-    for m in many:
-        np.testing.assert_allclose(m["evaluate"], one["evaluate"], rtol=1e-5)
-        np.testing.assert_allclose(np.array(m["pred"]), np.array(one["pred"]), rtol=1e-4,
-                                   atol=1e-5)
+def test_unmodified_script_matches_one_process(tmp_path, nranks, kinds, n, batch):
+    # Every process seeds itself with its rank: ranks build different initial
+    # weights, the single process builds rank 0's.
+    one = _single(tmp_path, kinds, str(n), str(batch))
+    many = _distributed(tmp_path, nranks, kinds, str(n), str(batch))
+    for kind in kinds.split(","):
+        ref, runs = one[kind], [m[kind] for m in many]
+        assert runs[1]["initial"] != runs[0]["initial"] and runs[0]["initial"] == ref["initial"]
+        # rank 0's initial weights (and optimizer) everywhere: identical weights on every
+        # rank (bitwise), close to the 1-process run
+        for other in runs[1:]:
+            assert other["weights"] == runs[0]["weights"], kind
+        for a, b in zip(ref["weights"], runs[0]["weights"]):
+            np.testing.assert_allclose(np.array(b), np.array(a), rtol=1e-4, atol=1e-6,
+                                       err_msg=kind)
+        # training and validation data sharded: each sample once per epoch
+        _each_sample_once_per_epoch(runs, batch)
+        # fit's history (training and validation metrics) is the 1-process one
+        for run in runs:
+            assert sorted(run["history"]) == ["accuracy", "loss", "val_accuracy", "val_loss"]
+            for key, values in ref["history"].items():
+                np.testing.assert_allclose(run["history"][key], values, rtol=1e-4,
+                                           err_msg="%s %s" % (kind, key))
+        # exact global metrics and complete, ordered predictions
+        for run in runs:
+            np.testing.assert_allclose(run["evaluate"], ref["evaluate"], rtol=1e-5)
+            np.testing.assert_allclose(np.array(run["pred"]), np.array(ref["pred"]),
+                                       rtol=1e-4, atol=1e-5)
 
 
-def test_shuffled_epochs_are_disjoint_across_ranks_and_equal_to_one_process(tmp_path):
-    many = _distributed(tmp_path, 2, "arrays", "64", "16", "shuffle")
-    seen = np.array([m["seen"] for m in many])
-    assert seen.sum(0).tolist() == [3.0] * 64
-    # shuffled: a rank does not see the same samples every epoch
-    assert set(np.unique(seen[0])) - {0.0, 3.0}
+def test_unseeded_shuffling_script_uses_every_sample_once_per_epoch(tmp_path):
+    # No seed anywhere: fit(shuffle=True) on arrays and a PyDataset (Keras would
+    # shuffle PyDataset batches with each rank's own `random`), an unseeded
+    # tf.data .shuffle(), a generator drawing from np.random and random. MaTEx
+    # seeds those generators alike on every rank before the script runs.
+    kinds = ["arrays", "dataset", "generator", "pydataset"]
+    many = _distributed(tmp_path, 3, ",".join(kinds), "50", "8", "shuffle", "unseeded")
+    for kind in kinds:
+        runs = [m[kind] for m in many]
+        # same seed for Keras's initializers on every rank
+        assert all(run["initial"] == runs[0]["initial"] for run in runs), kind
+        assert all(run["weights"] == runs[0]["weights"] for run in runs), kind
+        _each_sample_once_per_epoch(runs, 8)
+        # shuffled: the step at which each sample is trained changes between epochs
+        when = np.array([run["when"] for run in runs]).sum(0)        # epoch, sample
+        assert (when[0] != when[1]).any() and (when[1] != when[2]).any(), kind
+
+
+def test_shuffled_trajectory_does_not_depend_on_the_number_of_ranks(tmp_path):
+    # fit(shuffle=True): MaTEx permutes the rows (arrays) and the batch order
+    # (PyDataset) with one seed that rank 0 draws from the script's NumPy
+    # generator. Ranks seed themselves differently (so Keras's own PyDataset
+    # shuffle would differ per rank); one process under MaTEx draws rank 0's
+    # seed, hence trains on the same global batches in the same order.
+    kinds = ["arrays", "pydataset"]
+    one = _distributed(tmp_path, 1, ",".join(kinds), "64", "12", "shuffle")[0]
+    many = _distributed(tmp_path, 2, ",".join(kinds), "64", "12", "shuffle")
+    for kind in kinds:
+        ref, runs = one[kind], [m[kind] for m in many]
+        _each_sample_once_per_epoch(runs, 12)
+        when = np.array([run["when"] for run in runs]).sum(0)        # epoch, sample
+        assert (when[0] != when[1]).any() and (when[1] != when[2]).any(), kind
+        np.testing.assert_array_equal(when, ref["when"], err_msg=kind)
+        assert runs[1]["weights"] == runs[0]["weights"], kind
+        for a, b in zip(ref["weights"], runs[0]["weights"]):
+            np.testing.assert_allclose(np.array(b), np.array(a), rtol=1e-4, atol=1e-6,
+                                       err_msg=kind)
+        for key, values in ref["history"].items():
+            np.testing.assert_allclose(runs[0]["history"][key], values, rtol=1e-4,
+                                       err_msg="%s %s" % (kind, key))
 
 
 def test_import_swap_example_writes_once_prints_once_and_reloads(tmp_path):

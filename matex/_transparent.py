@@ -1,0 +1,123 @@
+"""What transparent mode (``python -m matex``, ``import matex.keras``) sets up around a script.
+
+One seed for every rank
+-----------------------
+Transparent mode runs one copy of the script per rank, and every rank
+produces the same *global* batches and keeps its slice (``_sharding``). That
+holds only if the randomness the script draws is the same on every rank: an
+unseeded ``tf.data`` ``.shuffle()``, a generator drawing its order from
+``random`` or ``np.random``, a ``PyDataset`` reshuffling itself. So when
+MaTEx becomes active (``python -m matex``: before the script runs;
+``import matex.keras``: at that import) it seeds Python's ``random``, NumPy's
+global generator and TensorFlow's global seed (``tf.random.set_seed``; when
+TensorFlow is imported later, right after that import) with one seed drawn
+from fresh entropy on rank 0 and broadcast. A run is therefore still random
+from one run to the next, unless the script seeds itself: a script that
+seeds afterwards (``keras.utils.set_random_seed(0)``) overrides it, and does
+so identically on every rank. A single process is left alone.
+
+Effect on Keras: initializers and layers built without a seed draw theirs
+from Python's ``random``, so an unseeded script now builds the same initial
+weights and the same dropout generators on every rank. This changes nothing
+in what is trained: ``fit`` and a custom loop's first step take rank 0's
+weights anyway, and ``fit`` takes rank 0's dropout generator states too
+(they are model variables). Dropout masks are therefore drawn from the same
+generator state on every rank in a step: ranks holding slices of equal size
+use the same mask pattern (one process draws independent masks for all rows
+of the global batch).
+"""
+
+import importlib.abc
+import importlib.util
+import os
+import random
+import sys
+
+_SIZE_VARIABLES = ("OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "MV2_COMM_WORLD_SIZE")
+
+_seed = None        # the seed in use; None: not decided yet
+_decided = False
+
+
+class _AfterImport(importlib.abc.MetaPathFinder):
+    """Run ``action(module)`` right after module ``name`` is first executed.
+
+    Stays in place until then: TensorFlow probes for Keras with find_spec
+    before importing it.
+    """
+
+    def __init__(self, name, action):
+        self.name, self.action, self.searching = name, action, False
+
+    def find_spec(self, name, path, target=None):
+        if name != self.name or self.searching:
+            return None
+        self.searching = True
+        try:
+            spec = importlib.util.find_spec(name)
+        finally:
+            self.searching = False
+        if spec is None or spec.loader is None:
+            return spec
+        execute = spec.loader.exec_module
+        finder = self
+
+        def exec_module(module):
+            execute(module)
+            if finder in sys.meta_path:
+                sys.meta_path.remove(finder)
+            finder.action(module)
+
+        spec.loader.exec_module = exec_module
+        return spec
+
+
+def after_import(name, action):
+    """Call ``action(module)`` once top-level module ``name`` is imported (now if it is)."""
+    if name in sys.modules:
+        action(sys.modules[name])
+    else:
+        sys.meta_path.insert(0, _AfterImport(name, action))
+
+
+def launched_size():
+    """Number of ranks the launcher says it started (from its environment), or None."""
+    for var in _SIZE_VARIABLES:
+        if os.environ.get(var, "").isdigit():
+            return int(os.environ[var])
+    return None
+
+
+def _seed_tensorflow(module):
+    module.random.set_seed(_seed)
+
+
+def seed_script_rngs():
+    """Seed ``random``, NumPy and TensorFlow with rank 0's fresh seed, once per process.
+
+    Collective on MaTEx's communicator the first time (every rank must call
+    it); does nothing in a single process. Returns the seed, or None.
+    """
+    global _seed, _decided
+    if _decided:
+        return _seed
+    _decided = True
+    from matex import _runtime
+
+    comm = _runtime.comm()
+    if comm.Get_size() == 1:
+        return None
+    import numpy as np
+
+    fresh = int(np.random.SeedSequence().entropy % (2 ** 31 - 1)) if comm.Get_rank() == 0 else None
+    _seed = comm.bcast(fresh, root=0)
+    random.seed(_seed)
+    np.random.seed(_seed)
+    after_import("tensorflow", _seed_tensorflow)
+    return _seed
+
+
+def leave_script_rngs_alone():
+    """Never seed in this process (a single process: nothing to agree on)."""
+    global _decided
+    _decided = True
