@@ -18,7 +18,9 @@
   reads the file on rank 0 and broadcasts it.
 * ``MATEX_SCALING=weak`` (or ``fit(..., scaling="weak")``) keeps the per-rank
   batch, multiplies the learning rate by the number of ranks and warms it up
-  linearly over the first epoch (Goyal et al., 2017).
+  linearly over the first epoch (Goyal et al., 2017); the script's rate is
+  back when ``fit`` returns, so repeated fits do not compound. A
+  ``LearningRateSchedule`` cannot be scaled: a clear error.
 * shuffling: arrays and ``PyDataset`` batch orders are permuted by MaTEx with
   a seed shared by all ranks (Keras gets ``shuffle=False``); the script's own
   randomness is seeded alike on every rank (``_transparent``).
@@ -214,7 +216,8 @@ def _fit(original):
         if getattr(self, "_matex_explicit", False):
             return _explicit(self, original, args, kwargs)
         from matex import _resilience
-        from matex.callbacks import BroadcastGlobalVariablesCallback, LearningRateWarmupCallback
+        from matex.callbacks import (BroadcastGlobalVariablesCallback,
+                                     LearningRateWarmupCallback, check_learning_rate_settable)
 
         bound = _bind(original, self, *args, **kwargs)
         a = bound.arguments
@@ -241,7 +244,11 @@ def _fit(original):
         a["validation_batch_size"] = None
         callbacks = list(a["callbacks"] or [])
         if scaling == "weak" and size > 1:
-            callbacks.append(LearningRateWarmupCallback(warmup_epochs=1, multiplier=size))
+            check_learning_rate_settable(self.optimizer, "fit(scaling='weak')")
+            # ramps from the script's rate (never an already scaled one) and
+            # puts it back when fit ends: repeated fits do not compound
+            callbacks.append(LearningRateWarmupCallback(warmup_epochs=1, multiplier=size,
+                                                        restore_on_train_end=True))
         if os.environ.get("MATEX_CHECKPOINT_DIR"):
             from matex._checkpoint import AtomicBackupAndRestore
 

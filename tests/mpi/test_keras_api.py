@@ -63,6 +63,18 @@ def test_warmup_ramps_to_multiplier_times_base():
     cb.on_train_batch_begin(9)
     last = float(m.optimizer.learning_rate)
     np.testing.assert_allclose([first, last], [0.1 * (1 + 3 * 0.1), 0.4], rtol=1e-6)
+    # a second warmup (another fit) starts from the script's rate, not the scaled one
+    again = LearningRateWarmupCallback(warmup_epochs=1, multiplier=4, steps_per_epoch=10)
+    again.set_model(m)
+    again.on_train_begin()
+    again.on_epoch_begin(0)
+    again.on_train_batch_begin(9)
+    np.testing.assert_allclose(float(m.optimizer.learning_rate), 0.4, rtol=1e-6)
+    # ... unless the script set another rate since
+    m.optimizer.learning_rate = 0.05
+    again.on_train_begin()
+    again.on_train_batch_begin(9)
+    np.testing.assert_allclose(float(m.optimizer.learning_rate), 0.2, rtol=1e-6)
 
 
 def test_shard_slices_every_global_batch():
@@ -95,15 +107,52 @@ def test_load_weights_reads_on_rank0_and_broadcasts():
         os.remove(path)
 
 
-def test_weak_scaling_keeps_per_rank_batch_and_scales_learning_rate():
+class _LearningRates(keras.callbacks.Callback):
+    """The optimizer's learning rate at every step."""
+
+    def __init__(self):
+        super().__init__()
+        self.rates = []
+
+    def on_train_batch_end(self, batch, logs=None):
+        self.rates.append(float(self.model.optimizer.learning_rate))
+
+
+@pytest.mark.parametrize("how", ["keyword", "MATEX_SCALING"])
+def test_weak_scaling_keeps_per_rank_batch_and_scales_learning_rate(how, monkeypatch):
     m = model(seed=3)
     m.compile(optimizer=keras.optimizers.SGD(0.01), loss="mse")
     x = np.random.default_rng(0).normal(size=(64, 3)).astype(np.float32)
     y = x.sum(1, keepdims=True)
-    history = m.fit(x, y, batch_size=8, epochs=2, verbose=0, scaling="weak")
-    steps = -(-64 // (8 * N))
-    assert len(history.history["loss"]) == 2
-    np.testing.assert_allclose(float(m.optimizer.learning_rate), 0.01 * N, rtol=1e-6)
-    assert int(m.optimizer.iterations) == 2 * steps
+    weak = {"scaling": "weak"}
+    if how == "MATEX_SCALING":
+        monkeypatch.setenv("MATEX_SCALING", "weak")
+        weak = {}
+    steps = -(-64 // (8 * N))                     # the batch of 8 is per rank
+    for repeat in (1, 2):                         # a second fit must not compound
+        rates = _LearningRates()
+        history = m.fit(x, y, batch_size=8, epochs=2, verbose=0, callbacks=[rates], **weak)
+        assert len(history.history["loss"]) == 2
+        assert int(m.optimizer.iterations) == 2 * steps * repeat
+        # linear warmup over the first epoch to N times the script's rate
+        expected = [0.01 * (1 + (N - 1) * min(1.0, (i + 1) / steps)) for i in range(2 * steps)]
+        np.testing.assert_allclose(rates.rates, expected, rtol=1e-6)
+        # the script's own rate once fit returns
+        np.testing.assert_allclose(float(m.optimizer.learning_rate), 0.01, rtol=1e-6)
+    # (BatchNormalization's moving statistics follow each rank's slices: not compared)
+    assert all_equal_bytes([v.numpy() for v in m.trainable_variables])
     with pytest.raises(ValueError, match="scaling must be"):
         m.fit(x, y, scaling="medium")
+
+
+def test_weak_scaling_refuses_a_learning_rate_schedule():
+    m = model(seed=4)
+    schedule = keras.optimizers.schedules.ExponentialDecay(0.01, decay_steps=10, decay_rate=0.9)
+    m.compile(optimizer=keras.optimizers.SGD(schedule), loss="mse")
+    x = np.random.default_rng(1).normal(size=(32, 3)).astype(np.float32)
+    y = x.sum(1, keepdims=True)
+    with pytest.raises(ValueError, match="settable learning rate.*ExponentialDecay"):
+        m.fit(x, y, batch_size=8, epochs=1, verbose=0, scaling="weak")
+    assert int(m.optimizer.iterations) == 0
+    m.fit(x, y, batch_size=8, epochs=1, verbose=0)   # strong scaling: the schedule as is
+    assert int(m.optimizer.iterations) == 4
