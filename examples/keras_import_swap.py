@@ -4,7 +4,8 @@
 
 Identical to a single-process Keras script except the first import line:
 `batch_size` is the global batch, metrics are global, only rank 0 prints and
-writes the checkpoint, the CSV log and the saved model.
+writes the checkpoint, the CSV log, the backups and the saved model and
+weights.
 """
 
 import os
@@ -31,12 +32,14 @@ model = keras.Sequential([
 model.compile(optimizer=keras.optimizers.Adam(2e-3),
               loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
               metrics=["accuracy"])
-model.fit(x, y, batch_size=64, epochs=3, validation_split=0.1, verbose=2,
+model.fit(x, y, batch_size=64, epochs=3, validation_split=0.1,
           callbacks=[keras.callbacks.ModelCheckpoint(os.path.join(out, "best.keras")),
-                     keras.callbacks.CSVLogger(os.path.join(out, "log.csv"))])
+                     keras.callbacks.CSVLogger(os.path.join(out, "log.csv")),
+                     keras.callbacks.BackupAndRestore(os.path.join(out, "backup"))])
 loss, accuracy = model.evaluate(x_test, y_test, verbose=0)
 print("test accuracy %.4f" % accuracy)
 model.save(os.path.join(out, "final.keras"))
+model.save_weights(os.path.join(out, "final.weights.h5"))
 restored = keras.models.load_model(os.path.join(out, "final.keras"))
 print("restored model agrees: %s" % bool(
     abs(restored.evaluate(x_test, y_test, verbose=0)[1] - accuracy) < 1e-6))

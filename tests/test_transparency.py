@@ -141,14 +141,18 @@ def test_import_swap_example_writes_once_prints_once_and_reloads(tmp_path):
                                 example, "out"], timeout=600)
     assert proc.returncode == 0, proc.stderr[-5000:]
     files0 = sorted(os.listdir(rank_dirs[0] / "out"))
-    assert files0 == ["best.keras", "final.keras", "log.csv"]
-    assert os.listdir(rank_dirs[1] / "out") == []        # made by the script, never written
+    # (BackupAndRestore's backup/ is removed by rank 0 when training ends)
+    assert files0 == ["best.keras", "final.keras", "final.weights.h5", "log.csv"]
+    # made by the script, never written: no checkpoint, log, backup (rank 1 never
+    # removes one), saved model or weights
+    assert os.listdir(rank_dirs[1] / "out") == []
     rows = (rank_dirs[0] / "out" / "log.csv").read_text().strip().splitlines()
     assert len(rows) == 4                                # header + 3 epochs, written once
     lines = proc.stdout.splitlines()
     rank1 = [l for l in lines if l.startswith("[rank 1]")]
-    assert not any("Epoch" in l or "step" in l for l in rank1), rank1
+    assert not any("Epoch" in l or "step" in l or "\u2501" in l for l in rank1), rank1
     assert any(l.startswith("Epoch 1/3") for l in lines)
+    assert any("\u2501" in l and "step" in l for l in lines)     # rank 0's progress bar
     assert "[rank 1] restored model agrees: True" in lines
     accuracy = [float(l.split()[-1]) for l in lines if "test accuracy" in l]
     assert len(accuracy) == 2 and accuracy[0] == accuracy[1] and accuracy[0] > 0.6

@@ -156,3 +156,42 @@ def test_weak_scaling_refuses_a_learning_rate_schedule():
     assert int(m.optimizer.iterations) == 0
     m.fit(x, y, batch_size=8, epochs=1, verbose=0)   # strong scaling: the schedule as is
     assert int(m.optimizer.iterations) == 4
+
+
+def test_only_rank0_writes_files_and_shows_progress(capsys):
+    # Each rank's script writes under its own directory: whatever appears in
+    # r1/ was written by rank 1.
+    import shutil
+
+    base = matex.comm().bcast(tempfile.mkdtemp(prefix="matex-writers-") if R == 0 else None,
+                              root=0)
+    mine = os.path.join(base, "r%d" % R)
+    os.makedirs(mine)
+    m = model(seed=5)
+    m.compile(optimizer=keras.optimizers.Adam(0.01), loss="mse")
+    x = np.random.default_rng(2).normal(size=(48, 3)).astype(np.float32)
+    y = x.sum(1, keepdims=True)
+    callbacks = [
+        keras.callbacks.TensorBoard(os.path.join(mine, "logs")),
+        keras.callbacks.BackupAndRestore(os.path.join(mine, "backup"), delete_checkpoint=False),
+        keras.callbacks.ModelCheckpoint(os.path.join(mine, "best.weights.h5"),
+                                        save_weights_only=True),
+        keras.callbacks.CSVLogger(os.path.join(mine, "log.csv")),
+    ]
+    m.fit(x, y, batch_size=8, epochs=2, validation_split=0.25, verbose=1, callbacks=callbacks)
+    m.save_weights(os.path.join(mine, "final.weights.h5"))
+    m.save(os.path.join(mine, "final.keras"))
+    printed = gather(capsys.readouterr().out)
+    written = gather({os.path.relpath(d, mine): sorted(f) for d, _, f in os.walk(mine)})
+    matex.comm().Barrier()
+    if R == 0:
+        shutil.rmtree(base)
+    root = written[0]
+    assert root["."] == ["best.weights.h5", "final.keras", "final.weights.h5", "log.csv"]
+    assert root["backup"] == ["latest.weights.h5", "training_metadata.json"]
+    for run in ("train", "validation"):
+        events = root[os.path.join("logs", run)]
+        assert len(events) == 1 and events[0].startswith("events.out.tfevents"), events
+    assert written[1:] == [{".": []}] * (N - 1)
+    assert "Epoch 2/2" in printed[0] and "\u2501" in printed[0]    # rank 0's progress bar
+    assert printed[1:] == [""] * (N - 1)
