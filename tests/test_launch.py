@@ -33,6 +33,27 @@ def test_argv_name_and_exit_code_are_preserved(tmp_path):
     assert "name __main__ argv ['3', 'x']" in proc.stdout
 
 
+def test_exit_code_of_every_rank_is_the_job_exit_code_under_mpiexec(tmp_path):
+    proc = mpitools.run_mpi(2, [sys.executable, "-m", "matex", _script(tmp_path), "3"],
+                            timeout=120)
+    assert proc.returncode == 3, proc.stderr[-3000:]
+    assert "rank 0 name __main__ argv ['3']" in proc.stdout
+
+
+def test_matexrun_ft_verbose_prints_the_ulfm_flags_and_runs(tmp_path):
+    matexrun = os.path.join(os.path.dirname(sys.executable), "matexrun")
+    proc = subprocess.run([matexrun, "--ft", "-v", "--all-ranks", "-n", "2", _script(tmp_path),
+                           "0"], capture_output=True, text=True, timeout=180)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    command = [l for l in proc.stderr.splitlines() if l.startswith("matexrun: ")]
+    assert len(command) == 1, proc.stderr[-3000:]
+    assert "--with-ft ulfm" in command[0] and "-n 2" in command[0]
+    assert command[0].endswith("-m matex --all-ranks %s 0" % _script(tmp_path))
+    lines = sorted(proc.stdout.splitlines())
+    assert len(lines) == 2, proc.stdout
+    assert lines[0].startswith("[rank 1] rank 1 ") and lines[1].startswith("rank 0 ")
+
+
 def test_exception_on_one_rank_ends_the_whole_job_with_its_traceback(tmp_path):
     proc = mpitools.run_mpi(2, [sys.executable, "-m", "matex", _script(tmp_path), "go",
                                 "--fail-on", "1"], timeout=120)
