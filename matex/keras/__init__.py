@@ -3,6 +3,8 @@
 Every public Keras name is Keras's own; importing this module patches Keras
 (see ``matex._keras_patch``) so ``compile``/``fit``/``evaluate``/``predict``,
 saving and loading behave as the single-process script meant, on all ranks.
+On several ranks it also seeds Python's ``random``, NumPy and TensorFlow with
+one seed from rank 0 (``matex._transparent``): import it before seeding.
 """
 
 import sys
