@@ -156,6 +156,36 @@ class _TrainInput:
         return _shard_input(x, y, sw, batch, shuffle, seed, epoch)
 
 
+class _AverageMovingStatistics(keras.callbacks.Callback):
+    """Average BatchNormalization's moving statistics over ranks.
+
+    Each rank updates them from its own slice of the global batch. Their
+    update is linear (``m = momentum*m + (1-momentum)*batch_value``), so
+    averaging the ranks' statistics before validation and at the end of each
+    epoch and of ``fit`` equals averaging them after every step: the moving
+    mean is then the single-process one (equal slices), the moving variance
+    the mean of the slices' variances. Every rank ends with the same values.
+    """
+
+    def _average(self):
+        stats = [v for layer in self.model._flatten_layers()
+                 if isinstance(layer, keras.layers.BatchNormalization) and layer.built
+                 for v in (layer.moving_mean, layer.moving_variance)]
+        if stats and _runtime.size() > 1:
+            for v, mean in zip(stats, _collectives.grouped_allreduce(
+                    [tf.convert_to_tensor(v) for v in stats], "average")):
+                v.assign(mean)
+
+    def on_test_begin(self, logs=None):
+        self._average()
+
+    def on_epoch_end(self, epoch, logs=None):
+        self._average()
+
+    def on_train_end(self, logs=None):
+        self._average()
+
+
 class _StepSnapshot(keras.callbacks.Callback):
     """Per step: the non-trainable state to restore if the step is redone; faults at 'begin'."""
 
@@ -282,7 +312,8 @@ def _fit(original):
             a["epochs"] = epoch + 1 if step else epochs
             a["verbose"] = _quiet(verbose)
             a["callbacks"] = _rank0_callbacks(
-                [BroadcastGlobalVariablesCallback(0), snapshot] + callbacks)
+                [BroadcastGlobalVariablesCallback(0), snapshot, _AverageMovingStatistics()]
+                + callbacks)
             try:
                 histories.append(_call(original, bound))
                 epoch, step = a["epochs"], 0

@@ -139,8 +139,8 @@ def test_weak_scaling_keeps_per_rank_batch_and_scales_learning_rate(how, monkeyp
         np.testing.assert_allclose(rates.rates, expected, rtol=1e-6)
         # the script's own rate once fit returns
         np.testing.assert_allclose(float(m.optimizer.learning_rate), 0.01, rtol=1e-6)
-    # (BatchNormalization's moving statistics follow each rank's slices: not compared)
-    assert all_equal_bytes([v.numpy() for v in m.trainable_variables])
+    # BatchNormalization's moving statistics included: averaged over ranks
+    assert all_equal_bytes([v.numpy() for v in m.variables])
     with pytest.raises(ValueError, match="scaling must be"):
         m.fit(x, y, scaling="medium")
 
@@ -195,3 +195,26 @@ def test_only_rank0_writes_files_and_shows_progress(capsys):
     assert written[1:] == [{".": []}] * (N - 1)
     assert "Epoch 2/2" in printed[0] and "\u2501" in printed[0]    # rank 0's progress bar
     assert printed[1:] == [""] * (N - 1)
+
+
+def test_batchnorm_moving_statistics_are_the_single_process_ones():
+    # Learning rate 0: the layers feeding BatchNormalization stay fixed, so the
+    # one-process moving mean follows from the global batches' means alone.
+    m = model(seed=5)
+    m.compile(optimizer=keras.optimizers.SGD(0.0), loss="mse")
+    batch = 4 * N                                    # the global batch, equal slices
+    x = np.random.default_rng(2).normal(size=(6 * batch, 3)).astype(np.float32)
+    y = x.sum(1, keepdims=True)
+    dense, norm = m.layers[0], m.layers[1]
+    m.fit(x, y, batch_size=batch, epochs=2, shuffle=False, verbose=0)
+    h = x @ dense.kernel.numpy() + dense.bias.numpy()
+    mean, var = np.zeros(4), np.ones(4)
+    for _ in range(2):
+        for b in range(6):
+            rows = h[b * batch:(b + 1) * batch]
+            mean = norm.momentum * mean + (1 - norm.momentum) * rows.mean(0)
+            slices = np.split(rows, N)                 # variance: mean of the slices' variances
+            var = norm.momentum * var + (1 - norm.momentum) * np.mean([s.var(0) for s in slices], 0)
+    np.testing.assert_allclose(norm.moving_mean.numpy(), mean, rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(norm.moving_variance.numpy(), var, rtol=1e-5, atol=1e-6)
+    assert all_equal_bytes([v.numpy() for v in m.variables])
