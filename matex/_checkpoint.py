@@ -35,25 +35,61 @@ class AtomicBackupAndRestore(keras.callbacks.BackupAndRestore):
         os.replace(meta_tmp, self._training_metadata_path)
 
     def on_train_begin(self, logs=None):
-        self._load_model()
-
-    def _load_model(self):
-        state = None
-        if _runtime.rank() == 0 and os.path.exists(self._weights_path):
-            with open(self._training_metadata_path) as f:
-                state = json.load(f)["epoch"]
-        epoch = _runtime.comm().bcast(state, root=0)
-        if epoch is None:
-            return
-        optimizer = self.model.optimizer
-        if optimizer is not None and not optimizer.built:
-            optimizer.build(self.model.trainable_variables)
-        self.model.load_weights(self._weights_path)   # read on rank 0, broadcast
-        self.model._initial_epoch = epoch
-        if _runtime.rank() == 0:
+        if restore(self) and _runtime.rank() == 0:
             print("matex: resumed from the checkpoint in %s at epoch %d"
-                  % (self.backup_dir, epoch + 1), flush=True)
+                  % (self.backup_dir, self.model._initial_epoch + 1), flush=True)
 
     def on_train_end(self, logs=None):
         if self.delete_checkpoint and _runtime.rank() == 0:
             super().on_train_end(logs)
+
+
+def restore(callback):
+    """Restore a ``BackupAndRestore``'s backup as rank 0 sees it, on every rank.
+
+    Whether a backup exists, and its epoch, are read on rank 0 and broadcast;
+    the weights are read on rank 0 and broadcast (``load_weights``). Returns
+    whether weights were restored.
+    """
+    from keras.src.utils import file_utils
+
+    state = None
+    if _runtime.rank() == 0:
+        epoch = None
+        if file_utils.exists(callback._training_metadata_path):
+            with file_utils.File(callback._training_metadata_path, "r") as f:
+                epoch = json.loads(f.read())["epoch"]
+        state = (file_utils.exists(callback._weights_path), epoch)
+    has_weights, epoch = _runtime.comm().bcast(state, root=0)
+    model = callback.model
+    if has_weights:
+        if model.optimizer is not None and not model.optimizer.built:
+            model.optimizer.build(model.trainable_variables)
+        model.load_weights(callback._weights_path)   # read on rank 0, broadcast
+    if epoch is not None:
+        model._initial_epoch = epoch
+    return has_weights
+
+
+def restore_on_train_begin(callback, logs=None):
+    """Keras ``BackupAndRestore.on_train_begin`` with rank 0's files deciding for all.
+
+    As in Keras, unreadable weights fall back to the previous backup, if any.
+    """
+    from keras.src.utils import file_utils
+
+    try:
+        restore(callback)
+    except OSError as exc:   # raised on every rank: load_weights shares rank 0's failure
+        fallback = None
+        if _runtime.rank() == 0 and file_utils.exists(callback._prev_weights_path):
+            file_utils.copy(callback._prev_weights_path, callback._weights_path)
+            if file_utils.exists(callback._prev_training_metadata_path):
+                file_utils.copy(callback._prev_training_metadata_path,
+                                callback._training_metadata_path)
+            elif file_utils.exists(callback._training_metadata_path):
+                file_utils.remove(callback._training_metadata_path)
+            fallback = True
+        if not _runtime.comm().bcast(fallback, root=0):
+            raise exc
+        restore(callback)

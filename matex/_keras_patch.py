@@ -38,7 +38,7 @@ import keras
 import numpy as np
 import tensorflow as tf
 
-from matex import _collectives, _fusion, _optimizer, _runtime, _sharding
+from matex import _checkpoint, _collectives, _fusion, _optimizer, _runtime, _sharding
 
 _lock = threading.Lock()
 _installed = False
@@ -504,7 +504,19 @@ def _load_model(original):
 def _load_weights(original):
     @functools.wraps(original)
     def load_weights(self, *args, **kwargs):
-        result = original(self, *args, **kwargs) if _runtime.rank() == 0 else None
+        comm = _runtime.comm()
+        result, error = None, None
+        if comm.Get_rank() == 0:
+            try:
+                result = original(self, *args, **kwargs)
+            except Exception as exc:  # noqa: BLE001 - re-raised on every rank below
+                error = exc
+        failure = comm.bcast(None if error is None else "%s: %s" % (type(error).__name__, error),
+                             root=0)
+        if error is not None:
+            raise error
+        if failure is not None:
+            raise OSError("cannot load weights on rank 0: %s" % failure)
         _collectives.broadcast_variables(self.variables, 0)
         return result
 
@@ -550,6 +562,8 @@ def install():
         _patch(base_optimizer.BaseOptimizer, "apply", _optimizer_apply)
         _patch(model_module.Model, "save_weights", _rank0_write)
         _patch(model_module.Model, "load_weights", _load_weights)
+        _patch(keras.callbacks.BackupAndRestore, "on_train_begin",
+               lambda original: _checkpoint.restore_on_train_begin)
         original_save = saving_api.save_model
         original_load = saving_api.load_model
         _patch(saving_api, "save_model", _rank0_write)

@@ -105,6 +105,9 @@ def test_load_weights_reads_on_rank0_and_broadcasts():
         for a, b in zip(other.get_weights(), saved):
             np.testing.assert_array_equal(a, b)
         os.remove(path)
+    # rank 0 failing to read fails every rank (none waits in the broadcast)
+    with pytest.raises(Exception, match="matex-test-missing"):
+        other.load_weights(path.replace("matex-test-", "matex-test-missing-"))
 
 
 class _LearningRates(keras.callbacks.Callback):
@@ -183,6 +186,13 @@ def test_only_rank0_writes_files_and_shows_progress(capsys):
     m.save(os.path.join(mine, "final.keras"))
     printed = gather(capsys.readouterr().out)
     written = gather({os.path.relpath(d, mine): sorted(f) for d, _, f in os.walk(mine)})
+    # Only rank 0's disk holds the backup: every rank resumes from it, in step
+    resumed = model(seed=60 + R)
+    resumed.compile(optimizer=keras.optimizers.Adam(0.01), loss="mse")
+    history = resumed.fit(x, y, batch_size=8, epochs=3, verbose=0, callbacks=[
+        keras.callbacks.BackupAndRestore(os.path.join(mine, "backup"), delete_checkpoint=False)])
+    resumed_epochs = gather(history.epoch)
+    assert all_equal_bytes([v.numpy() for v in resumed.variables])
     matex.comm().Barrier()
     if R == 0:
         shutil.rmtree(base)
@@ -195,6 +205,7 @@ def test_only_rank0_writes_files_and_shows_progress(capsys):
     assert written[1:] == [{".": []}] * (N - 1)
     assert "Epoch 2/2" in printed[0] and "\u2501" in printed[0]    # rank 0's progress bar
     assert printed[1:] == [""] * (N - 1)
+    assert resumed_epochs == [[2]] * N
 
 
 def test_batchnorm_moving_statistics_are_the_single_process_ones():
