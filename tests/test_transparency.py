@@ -165,6 +165,8 @@ def _last_number(text, prefix):
 @pytest.mark.parametrize("example,key,rtol", [
     # fit shuffles: same meaning, another permutation than Keras's own RNG
     ("tf_keras_unmodified.py", "accuracy", 0.03),
+    # every rank iterates the whole dataset: the averaged gradient is the 1-process one
+    ("gradient_tape_unmodified.py", "epoch 5 loss", 1e-4),
 ])
 def test_unmodified_tf_examples_train_identically_on_all_ranks(example, key, rtol):
     path = str(ROOT / "examples" / example)
