@@ -103,8 +103,9 @@ def test_allgather_empty_rank():
 
 @pytest.mark.parametrize("mode", MODES)
 def test_large_outputs_held_by_the_caller_are_never_overwritten(mode):
-    # Outputs of >= 64 KB are recycled by the kernel once nothing else holds
-    # them: results still held must keep their values through later calls.
+    # Results still held must keep their values through later calls of the
+    # same kernels (whose inputs TensorFlow may forward, and whose dropped
+    # outputs' memory it reuses).
     n = 1 << 15   # 128 KB of float32
 
     def four_calls(a, b):

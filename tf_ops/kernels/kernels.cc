@@ -7,7 +7,6 @@
 // from an op inside a nested function.) Ranks that disagree on a collective
 // get INVALID_ARGUMENT; other failures are INTERNAL without the payload.
 #include <cstring>
-#include <mutex>
 #include <string>
 #include <vector>
 
@@ -74,51 +73,23 @@ matex::TensorRef Ref(const Tensor& t) {
   return r;
 }
 
-void* Mutable(const matex::TensorRef& ref) { return const_cast<void*>(ref.data); }
-
-// Output `index` for a collective: input `input` itself when TensorFlow lets
-// the op reuse it (in place), else the kernel's previous output once nothing
-// else holds it, else a fresh allocation. Reusing the previous output means
-// the collective writes into memory already mapped and cached, as into a
-// preallocated MPI buffer. Outputs of at least kMinBytes are kept, one per
-// kernel; `*forwarded` tells whether the input was reused.
-class OutputCache {
- public:
-  static constexpr int64_t kMinBytes = 64 << 10;
-
-  absl::Status Get(OpKernelContext* ctx, int input, int index, const TensorShape& shape,
-                   Tensor** out, bool* forwarded) {
-    const tensorflow::DataType dtype = ctx->expected_output_dtype(index);
-    std::unique_ptr<Tensor> reused = ctx->forward_input(
-        input, index, dtype, shape, ctx->output_memory_type(index),
-        ctx->output_alloc_attr(index));
-    *forwarded = reused != nullptr;
-    if (reused != nullptr) {
-      ctx->set_output(index, *reused);
-      *out = ctx->mutable_output(index);
-      return absl::OkStatus();
-    }
-    {
-      std::lock_guard<std::mutex> lock(mu_);
-      if (cached_.IsInitialized() && cached_.dtype() == dtype && cached_.shape() == shape &&
-          cached_.RefCountIsOne()) {
-        ctx->set_output(index, cached_);
-        *out = ctx->mutable_output(index);
-        return absl::OkStatus();
-      }
-    }
-    TF_RETURN_IF_ERROR(ctx->allocate_output(index, shape, out));
-    if (int64_t((*out)->TotalBytes()) >= kMinBytes) {
-      std::lock_guard<std::mutex> lock(mu_);
-      cached_ = **out;
-    }
-    return absl::OkStatus();
+// Output 0 with input 0's shape and contents (the input buffer itself when
+// TensorFlow lets us reuse it), for broadcast, which works in place.
+absl::Status InPlaceOutput(OpKernelContext* ctx, matex::DataType* dtype,
+                           matex::TensorRef* ref) {
+  const Tensor& in = ctx->input(0);
+  TF_RETURN_IF_ERROR(CoreType(in.dtype(), dtype));
+  Tensor* out = nullptr;
+  TF_RETURN_IF_ERROR(ctx->forward_input_or_allocate_output({0}, 0, in.shape(), &out));
+  *ref = Ref(*out);
+  if (ref->data != in.tensor_data().data()) {
+    std::memcpy(const_cast<void*>(ref->data), in.tensor_data().data(),
+                in.tensor_data().size());
   }
+  return absl::OkStatus();
+}
 
- private:
-  std::mutex mu_;
-  Tensor cached_;
-};
+void* Mutable(const matex::TensorRef& ref) { return const_cast<void*>(ref.data); }
 
 class AllreduceOp : public OpKernel {
  public:
@@ -132,15 +103,13 @@ class AllreduceOp : public OpKernel {
     matex::DataType dtype;
     OP_REQUIRES_OK(ctx, CoreType(in.dtype(), &dtype));
     Tensor* out = nullptr;
-    bool forwarded = false;
-    OP_REQUIRES_OK(ctx, outputs_.Get(ctx, 0, 0, in.shape(), &out, &forwarded));
+    OP_REQUIRES_OK(ctx, ctx->forward_input_or_allocate_output({0}, 0, in.shape(), &out));
     OP_REQUIRES_OK(ctx, ToTf(matex::Allreduce(Ref(in), Mutable(Ref(*out)), dtype, op_),
                              "matex allreduce"));
   }
 
  private:
   matex::ReduceOp op_;
-  OutputCache outputs_;
 };
 
 class GroupedAllreduceOp : public OpKernel {
@@ -182,24 +151,15 @@ class BroadcastOp : public OpKernel {
     OP_REQUIRES_OK(c, c->GetAttr("root", &root_));
   }
   void Compute(OpKernelContext* ctx) override {
-    // MPI broadcasts in place: the output starts as a copy of the input.
-    const Tensor& in = ctx->input(0);
     matex::DataType dtype;
-    OP_REQUIRES_OK(ctx, CoreType(in.dtype(), &dtype));
-    Tensor* out = nullptr;
-    bool forwarded = false;
-    OP_REQUIRES_OK(ctx, outputs_.Get(ctx, 0, 0, in.shape(), &out, &forwarded));
-    matex::TensorRef ref = Ref(*out);
-    if (!forwarded) {
-      std::memcpy(Mutable(ref), in.tensor_data().data(), in.tensor_data().size());
-    }
+    matex::TensorRef ref;
+    OP_REQUIRES_OK(ctx, InPlaceOutput(ctx, &dtype, &ref));
     OP_REQUIRES_OK(ctx, ToTf(matex::Broadcast(Mutable(ref), ref.shape, dtype, root_),
                              "matex broadcast"));
   }
 
  private:
   int root_;
-  OutputCache outputs_;
 };
 
 class AllgatherOp : public OpKernel {
