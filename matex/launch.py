@@ -505,6 +505,13 @@ def _plan_cluster(opts, parser, env, mpiexec):
 
 
 def main(argv=None):
+    if "mpi4py.MPI" not in sys.modules:
+        # The launcher only looks at the MPI library (to find its mpiexec):
+        # initialising it would make this process an MPI singleton, slow to
+        # start and, under --ft (no MPI_Finalize), leaving a segment behind.
+        import mpi4py
+
+        mpi4py.rc.initialize = False
     parser = argparse.ArgumentParser(
         prog="matexrun", description="Run a TensorFlow/Keras script on several MPI ranks.")
     parser.add_argument("-n", "--np", dest="nranks", type=int, default=None,

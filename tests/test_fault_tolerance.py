@@ -24,6 +24,7 @@ from matex import launch
 
 SCRIPT = str(mpitools.ROOT / "tests" / "scripts" / "ft_fit.py")
 STEPS, EPOCHS, N = 10, 3, 300
+SHM_SEGMENTS = "/dev/shm/sm_segment.*"   # Open MPI's shared-memory transport files
 
 
 def _launch(tmp_path, nranks, faults=None, ft=True):
@@ -152,6 +153,7 @@ def test_matexrun_exits_1_when_every_rank_failed(tmp_path, failing, code):
                       "if matex.rank() in map(int, sys.argv[1].split(',')):\n"
                       "    raise ValueError('boom on rank %d' % matex.rank())\n")
     matexrun = os.path.join(os.path.dirname(sys.executable), "matexrun")
+    segments = set(glob.glob(SHM_SEGMENTS))
     proc = subprocess.Popen([matexrun, "--ft", "-n", "2", str(script), failing],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             start_new_session=True)
@@ -159,6 +161,9 @@ def test_matexrun_exits_1_when_every_rank_failed(tmp_path, failing, code):
     assert proc.returncode == code, _tail(err)
     assert err.count("ValueError: boom on rank") == failing.count(",") + 1
     assert ("matexrun: every rank failed (2 of 2)" in err) == (code == 1)
+    # No shared-memory segment left behind (ranks skip MPI_Finalize under ULFM,
+    # and matexrun itself must not become an MPI process)
+    assert set(glob.glob(SHM_SEGMENTS)) - segments == set()
 
 
 def test_long_computation_is_not_mistaken_for_a_hang(tmp_path):
