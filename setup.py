@@ -31,6 +31,7 @@ setup(
     description="MPI-backed, user-transparent distributed training for TensorFlow and Keras 3",
     packages=["matex", "matex.readers"],
     package_dir={"matex": "matex", "matex.readers": "readers"},
+    package_data={"matex.readers": ["_csvparse.cc"]},     # compiled on first use
     python_requires=">=3.10",
     install_requires=[
         "tensorflow-cpu==2.21.*",

@@ -4,7 +4,10 @@ Three shared objects come out of ``tf_ops/``:
 
 * ``libmatex_core.so``: the MPI collectives (no TensorFlow, no Python),
 * ``_matex_core*.so``: the pybind11 module over the core,
-* ``matex_tf_ops.so``: the TensorFlow ops over the core.
+* ``matex_tf_ops.so``: the TensorFlow ops over the core;
+
+and one out of ``readers/``: ``_matex_csvparse*.so``, the readers' CSV
+parser (a pybind11 module, no MPI, no TensorFlow).
 
 Each lands in a directory named after a hash of everything it depends on
 (sources, compiler, MPI library and headers, Python, TensorFlow), so a change
@@ -319,5 +322,43 @@ def tf_ops_dir():
     return _build_into(target, ["matex_tf_ops.so"], build)
 
 
+def _readers_source():
+    """readers/_csvparse.cc: next to matex/ in a source tree, matex/readers/ when installed."""
+    here = Path(__file__).resolve().parent
+    for candidate in (here / "readers", here.parent / "readers"):
+        if (candidate / "_csvparse.cc").is_file():
+            return candidate / "_csvparse.cc"
+    raise BuildError("the CSV parser's source (readers/_csvparse.cc) is missing next to %s; "
+                     "reinstall matex" % here)
+
+
+def csvparse_dir():
+    """Build (if needed) the readers' native CSV parser (no MPI, no TensorFlow); its directory.
+
+    One pybind11 module, ``_matex_csvparse``, keyed like the core by its
+    source, the compiler, Python and pybind11.
+    """
+    source = _readers_source()
+    cxx = _compiler()
+    py_inc = _python_include()
+    pb_inc, pb_version = _pybind11_include()
+    ext = sysconfig.get_config_var("EXT_SUFFIX")
+    flags = ["-std=c++17", "-D_GLIBCXX_USE_CXX11_ABI=1", "-fvisibility=hidden"] + _OPT
+    key = _hash(source.read_bytes(), _compiler_version(cxx), sys.version, ext, pb_version,
+                flags)
+    target = build_root() / ("csvparse-" + key)
+    product = "_matex_csvparse" + ext
+
+    def build(tmp):
+        started = time.time()
+        _say("building the native CSV parser (one time)...")
+        _run([cxx] + flags + ["-I" + pb_inc, "-I" + py_inc, str(source),
+                              "-o", str(tmp / product)])
+        _say("CSV parser built in %.1f s" % (time.time() - started))
+
+    return _build_into(target, [product], build)
+
+
 if __name__ == "__main__":
     print(tf_ops_dir() / "matex_tf_ops.so")
+    print(csvparse_dir() / ("_matex_csvparse" + sysconfig.get_config_var("EXT_SUFFIX")))

@@ -18,6 +18,16 @@ name or index, header detected or given; each rank parses only its byte
 range), netCDF classic CDF-1/CDF-2/CDF-5 (as written by netCDF or PnetCDF;
 first dimension = sample, fixed or unlimited) and netCDF-4.
 
+CSV parsing: blocks of lines are parsed by a small native parser
+(readers/_csvparse.cc, compiled on first use into the build directory, as
+MaTEx's MPI core is) straight into float32, without holding the GIL, so the
+reader's threads parse blocks in parallel. Numbers read as pandas' C parser
+reads them (blanks around a field, "inf", True/False; an empty field is NaN);
+"nan" or any other text in a selected column is an error naming its line and
+column, as is a line with the wrong number of fields. Quoted fields may hold
+delimiters, not line breaks. Without a C++ compiler, pandas parses the blocks
+(slower; the reason is printed once).
+
 Policies
 --------
 Batch size: ``batch_size`` is the batch of EACH rank; a step of the whole

@@ -1,14 +1,25 @@
-"""CSV files: cut into byte ranges on line boundaries, parsed with pandas' C parser.
+"""CSV files: cut into byte ranges on line boundaries, parsed by a native parser.
 
 Each rank parses only its own byte range when the data set is opened (to
 count rows and check every field), in blocks of whole lines; the blocks
 are the units later reads decode, and those parsed when opening start out
 cached. Fields are separated by ``delimiter``; quoted fields must not
 contain line breaks. Empty fields read as NaN.
+
+Blocks are parsed by ``_matex_csvparse`` (readers/_csvparse.cc, compiled on
+first use, see matex/_build.py), which reads numbers as pandas' C parser
+does, straight into float32, without the GIL. pandas parses the blocks the
+native parser does not take (a quote left open at a line end, a delimiter
+that is not one byte) and every block when the native parser cannot be
+built (the reason is printed once).
 """
 
+import contextlib
+import importlib.util
 import io
 import os
+import sys
+import sysconfig
 import threading
 
 import numpy as np
@@ -138,13 +149,72 @@ class _BadLine(Exception):
         self.line, self.message = line, message
 
 
-def parse(data, layout):
+_native_lock = threading.Lock()
+_native_module = None
+_native_tried = False
+
+
+def native():
+    """The native parser module, built on first use; None (said once) if it cannot be."""
+    global _native_module, _native_tried
+    with _native_lock:
+        if not _native_tried:
+            _native_tried = True
+            try:
+                from matex import _build
+
+                name = "_matex_csvparse"
+                path = _build.csvparse_dir() / (name + sysconfig.get_config_var("EXT_SUFFIX"))
+                spec = importlib.util.spec_from_file_location(name, path)
+                module = importlib.util.module_from_spec(spec)
+                spec.loader.exec_module(module)
+                _native_module = module
+            except Exception as exc:  # noqa: BLE001 - any failure: parse with pandas
+                print("matex: the native CSV parser is unavailable, CSV files are parsed "
+                      "with pandas (slower): %s" % str(exc).strip(), file=sys.stderr, flush=True)
+    return _native_module
+
+
+def _delimiter_byte(delimiter):
+    """The delimiter as the one byte the native parser takes, or None."""
+    raw = delimiter.encode() if isinstance(delimiter, str) else bytes(delimiter)
+    return raw[0] if len(raw) == 1 and raw not in (b'"', b"\n", b"\r") else None
+
+
+def parse(data, layout, serial=None):
     """Rows of the text ``data`` (whole lines) as float32, columns in ``layout.columns`` order.
+
+    Natively unless the delimiter is not one byte, a quote is left open at a
+    line end or the native parser is unavailable; then with pandas (under
+    the lock ``serial`` if given).
+    """
+    module = native()
+    delimiter = _delimiter_byte(layout.delimiter)
+    if module is not None and delimiter is not None:
+        values, error = module.parse(data, delimiter, layout.ncols, layout.columns)
+        if values is not None:
+            return values
+        if error is not None:
+            line, column, count, field = error
+            if column < 0:
+                raise _BadLine(line, "has %d fields, expected %d" % (count, layout.ncols))
+            text = field.decode("utf-8", "replace")
+            shown = text.strip().strip('"').strip() or text     # as _split shows it
+            raise _BadLine(line, "column %s: %r is not a number"
+                           % (layout.column_name(column), shown))
+    with serial or contextlib.nullcontext():
+        return parse_pandas(data, layout)
+
+
+def parse_pandas(data, layout):
+    """``parse`` with pandas' C parser.
 
     Numbers parse without NaN detection first (the fast path); only data with
     empty or other non-numeric fields is parsed again with empty fields as NaN.
     """
     import pandas as pd
+
+    data = bytes(data)
 
     options = dict(sep=layout.delimiter, header=None, engine="c", index_col=False)
     subset = len(layout.usecols) < layout.ncols
@@ -182,9 +252,10 @@ def _locate(data, layout, detail):
 
 
 def _blocks(layout, fid, first, last, block_bytes):
-    """(offset, bytes) of consecutive blocks of whole lines covering ``[first, last)``.
+    """(offset, text) of consecutive blocks of whole lines covering ``[first, last)``.
 
     Blocks hold about ``block_bytes``; a rest under half of that joins the last block.
+    The text is a memoryview (a block cut at its last line end is not copied).
     """
     fd = os.open(layout.paths[fid], os.O_RDONLY)
     try:
@@ -194,12 +265,11 @@ def _blocks(layout, fid, first, last, block_bytes):
             data = os.pread(fd, want, pos)
             while pos + len(data) < last and data.rfind(b"\n") < 0:    # a line longer than a block
                 data += os.pread(fd, min(block_bytes, last - pos - len(data)), pos + len(data))
-            if pos + len(data) < last:
-                data = data[:data.rfind(b"\n") + 1]
-            if not data:
+            size = data.rfind(b"\n") + 1 if pos + len(data) < last else len(data)
+            if not size:
                 raise ReaderError("%s: file shrank while being read" % layout.paths[fid])
-            yield pos, data
-            pos += len(data)
+            yield pos, memoryview(data)[:size]
+            pos += size
     finally:
         os.close(fd)
 
@@ -271,19 +341,21 @@ class CsvTable(Table):
         self.fields = {"x": (np.dtype(np.float32), (self.nx,))}
         if ny:
             self.fields["y"] = (np.dtype(np.float32), () if ny == 1 else (ny,))
-        # parsing a block takes its text, pandas' columns (8 bytes a field) and the float32
-        # rows, about 5x the text, plus what the allocator keeps of them: count 8x
+        # parsing a block takes its text, the float32 rows and (pandas) its columns, 8 bytes
+        # a field: up to 5x the text, plus what the allocators of the threads parsing keep
+        # of them: count 8x (the native parser needs less, the slack stays useful)
         self.decode_bytes = 8 * max((b[2] - b[1] for b in blocks), default=0)
         self._units = {(b[0], b[1]): i for i, b in enumerate(blocks)}
-        self._parsing = threading.Lock()    # pandas parses slower in two threads than in one
+        # the pandas fallback parses one block at a time, as it always did; the native
+        # parser releases the GIL and runs in every reader thread (2 threads: 2x as fast)
+        self._parsing = threading.Lock()
         self._fds = [os.open(p, os.O_RDONLY) for p in layout.paths]
 
     def read_unit(self, unit, out):
         fid, start, end, rows = self.blocks[unit]
         data = os.pread(self._fds[fid], end - start, start)
         try:
-            with self._parsing:
-                values = parse(data, self.layout)
+            values = parse(data, self.layout, serial=self._parsing)
         except _BadLine as bad:
             raise ReaderError("%s: bytes %d-%d changed since opened: %s"
                               % (self.layout.paths[fid], start, end, bad.message)) from None

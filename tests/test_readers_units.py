@@ -184,3 +184,178 @@ def test_chunked_hdf5_columns_decode_like_h5py(tmp_path, filters):
         out = np.empty((300, 3), np.float32)
         sparse.read_into(0, 300, out)
         assert np.array_equal(out, f["sparse"][:])
+
+
+# ---- the native CSV parser against the pandas path ----------------------------------
+
+def csv_layout(tmp_path, ncols, features, labels=None, delimiter=","):
+    names = [chr(ord("a") + i) for i in range(ncols)]
+    path = tmp_path / "layout.csv"
+    path.write_text(delimiter.join(names) + "\n" + delimiter.join(["1"] * ncols) + "\n")
+    return Layout([str(path)], features, labels, True, delimiter)
+
+
+def outcome(parse, data, layout):
+    """("ok", array) or ("bad", line, message) of ``parse(data, layout)``."""
+    from matex.readers._csv import _BadLine
+
+    try:
+        return ("ok", parse(data, layout))
+    except _BadLine as bad:
+        return ("bad", bad.line, bad.message)
+
+
+def assert_same(data, layout):
+    from matex.readers import _csv
+
+    native, pandas = outcome(_csv.parse, data, layout), outcome(_csv.parse_pandas, data, layout)
+    if pandas[0] == "ok":
+        assert native[0] == "ok", (data, native, pandas)
+        assert native[1].dtype == np.float32 and native[1].shape == pandas[1].shape, data
+        assert np.array_equal(native[1], pandas[1], equal_nan=True), (data, native, pandas)
+    elif pandas[1] is None and native != pandas:    # pandas could not tell the line
+        assert native[0] == "bad" and native[1] is not None, (data, native, pandas)
+    else:
+        assert native == pandas, data
+
+
+EDGE_CASES = [
+    b"1,2,3\n4,5,6\n", b"1,2,3\r\n4,5,6\r\n", b"1,2,3\n4,5,6", b"1,2,3\r4,5,6\r",
+    b"1,2,3\r\n\r\n4,5,6\r\n", b"1,2,3\r\n4,5,6\r\r\n", b"1,2,3\n4,5,6\n\r\n",
+    b" 1, 2 ,3 \n4,5,6\n", b"\t1,2,3\n1\t,2,3 \r\n", b"1,2,3\x0b\n4,5,6\x0c\n",
+    b"1,,3\n4,5,\n", b",,\n4,5,6\n", b"1,2,3\n,,\n", b"0.1,,3\n4,5,6\n",
+    b"1,2,3\n\n4,5,6\n", b"1,2,3\n   \n4,5,6\n", b"\n1,2,3\n4,5,6\n\n\n", b"1,2,3\n\t\n4,5,6\n",
+    b"1,2\n4,5,6\n", b"1,2,3,4\n4,5,6\n", b"1,2,3\n4,5,6,7\n", b"1,2,3,\n4,5,6,\n",
+    b"1,2,3\n4,,6\n7,8\n", b"1,2,3\n4,5,6\n7,8,9,\n", b"1,2,3\n,,,\n", b"1,2,3\n4,x,6\n",
+    b"1,x,3\n4,5\n", b"1,2,3\n4,5,6\x00\n", b"1,2,3\n4,5,\xc3\xa9\n", b"1,2,3\n4,5,6\x1a\n",
+    b"inf,2,3\n-inf,5,6\n", b"Infinity,INF,iNf\n-Infinity,+inf,infinity\n",
+    b"True,2,3\nFalse,5,6\n", b"true,,3\nfalse,5,6\n", b"TRUE,2,3\nFALSE,5,6\n",
+    b"yes,2,3\nno,5,6\n", b"+1,2,3\n.5,5.,-.5\n", b"1e5,2E-3,3\n1.5E+03,-1e-05,0001\n",
+    b"99999999999999999999,9223372036854775807,3\n4,5,6\n", b"1e400,-1e400,1e-50\n4,5,6\n",
+    b"1e-320,2,3\n4,5,6\n", b"3.4028235e38,2,3\n3.4028236e38,5,6\n",
+    b"1.00000005960464477539062500001,2,3\n4,5,6\n", b"0.1000000000000000055511151231257827,1,2\n",
+    b"1e,2,3\n", b"1e+,2,3\n", b"e5,2,3\n", b".,2,3\n", b"+,2,3\n", b"-,2,3\n", b"+-1,2,3\n",
+    b"--1,2,3\n", b"- 1,2,3\n", b"1 2,2,3\n", b"1.2.3,2,3\n", b"1d5,2,3\n", b"#1,2,3\n",
+    b"0x10,2,3\n", b"infx,2,3\n", b"\xef\xbb\xbf1,2,3\n4,5,6\n",
+    # pandas fails without naming the line; the native parser names it
+    b"nan,2,3\n", b"1,NaN,3\n", b"-nan,2,3\n", b"1_000,2,3\n", b"1,2, \n4,5,6\n",
+    b" ,2,3\n", b"1,2,3\n\t,5,6\n",
+    # quoted fields; a quote left open at a line end goes to pandas
+    b'"1",2,3\n4,"5.5",6\n', b'1,2,"x"\n4,5,"y, z"\n', b'"",2,3\n1,2,3\n"",,\n',
+    b'" 1 ",2,3\n"1" ,2,3\n', b'"-1e3",2,3\n', b'1,2,"3"\r\n4,5,6\r\n', b'"x",2,3\n',
+    b'1,"x"y,3\n', b'1,2,"a""b"\n', b'"1\n2",2,3\n', b'1,"2\n', b'"1,2,3\n',
+]
+
+
+@pytest.mark.parametrize("features", [["a", "b", "c"], ["c", "a"], ["a"], ["b", "b"]])
+def test_native_csv_parser_reads_as_pandas(tmp_path, features):
+    from matex.readers import _csv
+
+    assert _csv.native() is not None            # the normal path is native
+    layout = csv_layout(tmp_path, 3, features)
+    for data in EDGE_CASES:
+        assert_same(data, layout)
+
+
+@pytest.mark.parametrize("delimiter", [";", "\t", "|"])
+def test_native_csv_parser_other_delimiters(tmp_path, delimiter):
+    layout = csv_layout(tmp_path, 3, ["c", "b"], delimiter=delimiter)
+    for data in EDGE_CASES[:30]:
+        assert_same(data.replace(b",", delimiter.encode()), layout)
+
+
+@pytest.mark.parametrize("fmt", ["%.17g", "%.9g", "%.6e", "%g", "%.3f", "%d"])
+def test_native_csv_parser_rounds_numbers_as_pandas(tmp_path, fmt):
+    from matex.readers import _csv
+
+    rng = np.random.default_rng(len(fmt))
+    values = rng.standard_normal((4000, 6)) * 10.0 ** rng.integers(-40, 40, (4000, 6))
+    if fmt in ("%.3f", "%d"):
+        values = rng.standard_normal((4000, 6)) * 10.0 ** rng.integers(0, 18, (4000, 6))
+    text = "".join(",".join(fmt % v for v in row) + "\n" for row in values).encode()
+    layout = csv_layout(tmp_path, 6, ["f", "a", "c", "d"], labels="e")
+    got = _csv.parse(text, layout)
+    assert got.shape == (4000, 5)
+    assert np.array_equal(got, _csv.parse_pandas(text, layout))
+
+
+def test_native_csv_parser_differs_from_pandas_only_where_documented(tmp_path):
+    from matex.readers import _csv
+
+    layout = csv_layout(tmp_path, 3, ["a", "b", "c"])
+    # a block of blank lines is no rows (pandas: "No columns to parse from file")
+    for data in (b"", b"\n", b"\r\n \n"):
+        assert _csv.parse(data, layout).shape == (0, 3)
+    # True/False read as 1/0 field by field (pandas: only in a column of booleans alone)
+    assert np.array_equal(_csv.parse(b"True,2,3\n1,false,6\n", layout), [[1, 2, 3], [1, 0, 6]])
+    # errors name the line and the column of the field
+    assert outcome(_csv.parse, b"1,2,3\n4,nan,6\n", layout) == \
+        ("bad", 1, "column 'b': 'nan' is not a number")
+    assert outcome(_csv.parse, b"1,2,3\r\n\r\n4,5,  \r\n", layout) == \
+        ("bad", 2, "column 'c': '  ' is not a number")
+    # quoted delimiters are no field separators, and a short line is an error with quotes
+    assert outcome(_csv.parse, b'1,"2",3\n1,"a,b",3\n', layout) == \
+        ("bad", 1, "column 'b': 'a,b' is not a number")
+    assert outcome(_csv.parse, b'1,"2",3\n"4",5\n', layout) == \
+        ("bad", 1, "has 2 fields, expected 3")
+    assert np.array_equal(_csv.parse(b'1,"a,b",3\n', csv_layout(tmp_path, 3, ["c", "a"])),
+                          [[3, 1]])
+
+
+def test_native_csv_parser_releases_the_gil(tmp_path):
+    import threading
+    import time
+
+    from matex.readers import _csv
+
+    layout = csv_layout(tmp_path, 3, ["a", "b", "c"])
+    data = b"0.125,1234.5,-7e-3\n" * 3_000_000
+    window, ticks = [], []
+
+    def work():
+        window.append(time.perf_counter())
+        values = _csv.parse(data, layout)
+        window.append(time.perf_counter())
+        assert values.shape == (3_000_000, 3)
+
+    thread = threading.Thread(target=work)
+    thread.start()
+    while thread.is_alive():
+        ticks.append(time.perf_counter())
+        for _ in range(1000):       # Python bytecode: runs only while this thread has the GIL
+            pass
+    thread.join()
+    start, stop = window
+    inside = [t for t in ticks if start + 0.1 * (stop - start) < t < stop - 0.1 * (stop - start)]
+    assert len(inside) > 100, (stop - start, len(ticks))
+
+
+def test_csv_without_native_parser_says_so_once_and_uses_pandas(tmp_path):
+    import os
+    import subprocess
+    import sys
+
+    code = ("from matex.readers import _csv\n"
+            "class L: ncols, columns, usecols, delimiter = 2, [1, 0], [0, 1], ','\n"
+            "for _ in range(3):\n"
+            "    print(_csv.parse(b'1,2\\n3,\\n', L()).tolist())\n"
+            "print(_csv.native())\n")
+    env = {**os.environ, "CXX": "/nonexistent/g++", "MATEX_BUILD_DIR": str(tmp_path)}
+    proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True,
+                          text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.split("\n")[:4] == ["[[2.0, 1.0], [nan, 3.0]]"] * 3 + ["None"]
+    assert proc.stderr.count("native CSV parser is unavailable") == 1, proc.stderr
+    assert "no C++ compiler found" in proc.stderr
+
+
+def test_native_csv_parser_build_is_cached(tmp_path, monkeypatch):
+    import sysconfig
+
+    from matex import _build
+
+    monkeypatch.setenv("MATEX_BUILD_DIR", str(tmp_path))
+    first = _build.csvparse_dir()
+    assert first.parent == tmp_path and first.name.startswith("csvparse-")
+    assert (first / ("_matex_csvparse" + sysconfig.get_config_var("EXT_SUFFIX"))).is_file()
+    assert _build.csvparse_dir() == first

@@ -294,6 +294,32 @@ def test_csv(shared, header):
     assert np.array_equal(ds.training_labels, label_of(x[:, 0]))
 
 
+def messy_csv_writer(n):
+    """CRLF line ends, blank lines, blanks around numbers, empty fields, a quoted text column."""
+    def write(path):
+        with open(path, "w", newline="") as f:
+            f.write('id,"name",value,label\r\n')
+            for i, label in enumerate(label_of(np.arange(n))):
+                value = "" if i % 11 == 0 else " %g " % (i / 4)
+                f.write('%d,"item %d, ""%s""",%s,%d\r\n' % (i, i, "ab"[i % 2], value, label))
+                if i % 97 == 0:
+                    f.write("\r\n  \r\n")
+    return write
+
+
+def test_csv_quotes_blank_lines_crlf_and_empty_fields(shared):
+    n = 4001
+    path = written(shared / "messy.csv", messy_csv_writer(n))
+    ds = DataSet(path, features=["id", "value"], labels="label", batch_size=B, shuffle=False,
+                 memory_budget=4 << 20)
+    check_epochs(ds, list(range(n)))
+    x = ds.training_data
+    ids = x[:, 0].astype(np.int64)
+    expected = np.where(ids % 11 == 0, np.nan, ids / 4).astype(np.float32)
+    assert np.array_equal(x[:, 1], expected, equal_nan=True)
+    assert np.array_equal(ds.training_labels, label_of(ids))
+
+
 def test_csv_label_by_index_and_default_features(shared):
     path = written(shared / "header.csv", csv_writer(5003, True))
     ds = DataSet(path, features=None, labels=-1, batch_size=B)
