@@ -372,12 +372,7 @@ def test_every_rank_of_one_host_killed_the_others_carry_on(netns, tmp_path):
                 time.sleep(0.05)
             ready = _reports(out, "r.ready*.json")
             if len(ready) < 4:
-                try:
-                    os.killpg(proc.pid, signal.SIGKILL)
-                except OSError:
-                    pass
-                cluster.kill_all()
-                stdout, stderr = proc.communicate()
+                stdout, stderr = cluster.abort(proc)
                 diag = "only %d/4 ranks started\n%s\n%s\n%s" % (
                     len(ready), stdout[-2000:], stderr[-4000:], cluster.diagnostics())
                 if attempt == 1:

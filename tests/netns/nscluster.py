@@ -172,17 +172,21 @@ class Cluster:
             out, err = proc.communicate(timeout=timeout)
         except subprocess.TimeoutExpired:
             diag = self.diagnostics()
-            try:
-                os.killpg(proc.pid, signal.SIGKILL)
-            except OSError:
-                pass
-            self.kill_all()
-            out, err = proc.communicate()
+            out, err = self.abort(proc)
             raise AssertionError("timed out after %ss: %s\n--- stdout\n%s\n--- stderr\n%s\n%s"
                                  % (timeout, " ".join(proc.args), out[-3000:], err[-5000:],
                                     diag))
         self._reap()
         return subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
+
+    def abort(self, proc):
+        """Kill ``proc``'s process group and everything in the cluster; its (stdout, stderr)."""
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)
+        except OSError:
+            pass
+        self.kill_all()
+        return proc.communicate()
 
     def _reap(self):
         """After a run, nothing of it may linger in the hosts (orphaned daemons)."""
