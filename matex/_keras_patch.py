@@ -186,6 +186,21 @@ class _AverageMovingStatistics(keras.callbacks.Callback):
         self._average()
 
 
+def _snapshot(variables):
+    """Values to restore ``variables`` to later, taken cheaply.
+
+    Small variables are copied. Large ones are read as tensors that share the
+    variable's buffer: TensorFlow copies a variable's buffer before updating it
+    while such a read is held (copy on write), so a large variable the step
+    does not change (a frozen layer's weights) costs no copy at all.
+    """
+    return [v.numpy() if int(np.prod(v.shape)) * v.value.dtype.size < _COPY_BELOW_BYTES
+            else tf.convert_to_tensor(v) for v in variables]
+
+
+_COPY_BELOW_BYTES = 64 << 10
+
+
 class _StepSnapshot(keras.callbacks.Callback):
     """Per step: the non-trainable state to restore if the step is redone; faults at 'begin'."""
 
@@ -199,7 +214,7 @@ class _StepSnapshot(keras.callbacks.Callback):
         iterations = int(self.model.optimizer.iterations)
         if self.track:
             self.iterations = iterations
-            self.values = [v.numpy() for v in self.model.non_trainable_variables]
+            self.values = _snapshot(self.model.non_trainable_variables)
         from matex import _faults
 
         _faults.maybe_fail(iterations, "begin")

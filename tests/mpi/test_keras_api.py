@@ -229,3 +229,30 @@ def test_batchnorm_moving_statistics_are_the_single_process_ones():
     np.testing.assert_allclose(norm.moving_mean.numpy(), mean, rtol=1e-5, atol=1e-6)
     np.testing.assert_allclose(norm.moving_variance.numpy(), var, rtol=1e-5, atol=1e-6)
     assert all_equal_bytes([v.numpy() for v in m.variables])
+
+
+def test_step_snapshot_restores_small_and_large_non_trainable_state():
+    # What fit keeps per step under ULFM, to redo a step a failure interrupted:
+    # copies of small variables, copy-on-write reads of large ones.
+    from matex import _keras_patch
+
+    m = model(seed=7)
+    m.compile(optimizer=keras.optimizers.SGD(0.1), loss="mse")
+    m.build((None, 3))
+    m.optimizer.build(m.trainable_variables)
+    big = keras.Variable(np.arange(1 << 17, dtype=np.float32), trainable=False)   # 512 KB
+    small = keras.Variable(np.ones(4, np.float32), trainable=False)
+    m.layers[1]._tracker.unlock()
+    m.layers[1].extra = [big, small]
+    snapshot = _keras_patch._StepSnapshot(track=True)
+    snapshot.set_model(m)
+    snapshot.on_train_batch_begin(0)
+    before = [v.numpy().copy() for v in m.non_trainable_variables]
+    assert any(v is big for v in m.non_trainable_variables)
+    big.assign_add(np.ones(1 << 17, np.float32))
+    small.assign(np.zeros(4, np.float32))
+    for v in m.non_trainable_variables:
+        v.assign(v + 1.0)
+    snapshot.restore_if_not_applied()
+    for v, want in zip(m.non_trainable_variables, before):
+        np.testing.assert_array_equal(v.numpy(), want)
