@@ -45,9 +45,7 @@ def gradients(xb, yb):
 
 @tf.function
 def train_step(xb, yb):
-    with tf.GradientTape() as tape:
-        loss = tf.reduce_mean((model(xb, training=True) - yb) ** 2)
-    grads = tape.gradient(loss, model.trainable_variables)
+    loss, grads = gradients(xb, yb)
     optimizer.apply_gradients(zip(grads, model.trainable_variables))
     return loss
 
