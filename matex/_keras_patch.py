@@ -161,20 +161,17 @@ class _AverageMovingStatistics(keras.callbacks.Callback):
 
     Each rank updates them from its own slice of the global batch. Their
     update is linear (``m = momentum*m + (1-momentum)*batch_value``), so
-    averaging the ranks' statistics before validation and at the end of each
-    epoch and of ``fit`` equals averaging them after every step: the moving
-    mean is then the single-process one (equal slices), the moving variance
-    the mean of the slices' variances. Every rank ends with the same values.
+    averaging the ranks' statistics once per epoch, after its training steps
+    (before validation, else at the epoch's end), equals averaging them after
+    every step: the moving mean is then the single-process one (equal
+    slices), the moving variance the mean of the slices' variances. Every
+    rank ends with the same values.
     """
 
-    def _average(self):
-        stats = [v for layer in self.model._flatten_layers()
-                 if isinstance(layer, keras.layers.BatchNormalization) and layer.built
-                 for v in (layer.moving_mean, layer.moving_variance)]
-        if stats and _runtime.size() > 1:
-            for v, mean in zip(stats, _collectives.grouped_allreduce(
-                    [tf.convert_to_tensor(v) for v in stats], "average")):
-                v.assign(mean)
+    trained = False   # steps ran since the last average
+
+    def on_epoch_begin(self, epoch, logs=None):
+        self.trained = True
 
     def on_test_begin(self, logs=None):
         self._average()
@@ -182,8 +179,17 @@ class _AverageMovingStatistics(keras.callbacks.Callback):
     def on_epoch_end(self, epoch, logs=None):
         self._average()
 
-    def on_train_end(self, logs=None):
-        self._average()
+    def _average(self):
+        if not self.trained:
+            return
+        self.trained = False
+        stats = [v for layer in self.model._flatten_layers()
+                 if isinstance(layer, keras.layers.BatchNormalization) and layer.built
+                 for v in (layer.moving_mean, layer.moving_variance)]
+        if stats and _runtime.size() > 1:
+            for v, mean in zip(stats, _collectives.grouped_allreduce(
+                    [tf.convert_to_tensor(v) for v in stats], "average")):
+                v.assign(mean)
 
 
 def _snapshot(variables):
