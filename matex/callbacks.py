@@ -127,7 +127,5 @@ class LearningRateWarmupCallback(keras.callbacks.Callback):
     def on_train_end(self, logs=None):
         if self.restore_on_train_end and self._base is not None:
             optimizer = self.model.optimizer
-            if float(optimizer.learning_rate) == getattr(optimizer, "_matex_lr_scaling",
-                                                         (None, None))[1]:
-                optimizer.learning_rate = self._base
-                object.__setattr__(optimizer, "_matex_lr_scaling", (None, None))
+            optimizer.learning_rate = _unscaled_learning_rate(optimizer)
+            object.__setattr__(optimizer, "_matex_lr_scaling", (None, None))
