@@ -63,12 +63,13 @@ def _results(out):
     return {int(p.rsplit(".", 1)[1]): json.load(open(p)) for p in glob.glob(out + ".[0-9]*")}
 
 
-def _check(results, survivors, out, err, reference=None):
+def _check(results, survivors, out, err, reference=None, size=None):
+    """``size``: the communicator size survivors end on (default: one per survivor)."""
     assert sorted(results) == sorted(survivors), (sorted(results), _tail(err))
     digests = {r["digest"] for r in results.values()}
     assert len(digests) == 1, "survivors' states differ"
     for r in results.values():
-        assert r["size"] == len(survivors)
+        assert r["size"] == (len(survivors) if size is None else size)
         assert r["iterations"] == STEPS * EPOCHS
         assert r["seen"] == [float(EPOCHS)] * N, "a sample was lost or trained twice"
     if reference is not None:
@@ -98,8 +99,9 @@ def fault_free(tmp_path_factory):
     ("rank=3,step=29,kind=kill", [0, 1, 2]),                       # last step
     ("rank=2,step=10,kind=kill,at=begin", [0, 1, 3]),              # before the forward pass
     ("rank=1,step=0,kind=kill,at=start", [0, 2, 3]),               # during MaTEx's start-up
+    ("rank=2,step=30,kind=kill,at=evaluate", [0, 1, 3]),           # in evaluate, after fit
 ], ids=["kill-middle-mid", "kill-rank0-first", "exception-last-boundary", "hang-middle",
-        "two-at-once", "down-to-one", "kill-last-step", "kill-at-begin", "kill-at-start"])
+        "two-at-once", "down-to-one", "kill-last-step", "kill-at-begin", "kill-at-start", "kill-in-evaluate"])
 def test_survivors_finish_with_nothing_lost_or_repeated(tmp_path, fault_free, faults,
                                                         survivors):
     proc, out = _launch(tmp_path, 4, faults)
@@ -111,6 +113,9 @@ def test_survivors_finish_with_nothing_lost_or_repeated(tmp_path, fault_free, fa
         assert "InjectedFault" in err and "the others continue without it" in err
     if "at=start" in faults:
         assert "matex: rank(s) 1 failed during start-up; 3 rank(s) go on" in err
+    if "at=evaluate" in faults:   # evaluate is redone on the survivors, callbacks told
+        for r in _results(out).values():
+            assert [(x["lost"], x["new_size"]) for x in r["recoveries"]] == [([2], 3)]
     _check(_results(out), survivors, out, err, reference=fault_free)
 
 
@@ -131,8 +136,13 @@ def test_kill_9_from_outside_at_a_random_moment(tmp_path, fault_free):
     assert proc.returncode == 0, _tail(err)
     survivors = [r for r in range(4) if r != victim]
     results = _results(out)
-    if len(results) == 4:   # the victim had already finished: nothing to recover
-        survivors = [0, 1, 2, 3]
+    if all(r["size"] == 4 for r in results.values()):
+        # The kill came after the victim's last collective (it may even have written
+        # its result): the others never needed it, so nothing was recovered. Every
+        # other rank must still have finished on the full communicator.
+        _check(results, sorted(set(survivors) | set(results)), out, err,
+               reference=fault_free, size=4)
+        return
     _check(results, survivors, out, err, reference=fault_free)
 
 
