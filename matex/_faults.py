@@ -12,7 +12,8 @@ Fields of one fault (faults are separated by ``;``):
   ``hang`` (SIGSTOP itself: alive but silent, caught by the failure detector).
 * ``at`` (optional): ``allreduce`` (default: inside the step, right before the
   gradient allreduce, while the other ranks are already in it), ``begin``
-  (before the step's forward pass; Keras ``fit`` only) or ``checkpoint`` (on
+  (before the step's forward pass; Keras ``fit`` only), ``evaluate`` (on
+  entering Keras ``evaluate``; ``step`` is the optimizer step count then), ``checkpoint`` (on
   rank 0 while it writes a checkpoint, after the data and before the rename;
   ``step`` is then the optimizer step at which the checkpoint is written) or
   ``start`` (under ULFM, during MaTEx's start-up, after MPI is initialised and
@@ -25,7 +26,7 @@ import os
 import signal
 
 KINDS = ("kill", "exception", "hang")
-PLACES = ("allreduce", "begin", "checkpoint", "start")
+PLACES = ("allreduce", "begin", "evaluate", "checkpoint", "start")
 
 
 class InjectedFault(RuntimeError):

@@ -352,19 +352,25 @@ def _fit(original):
                           "(recovered in %.3f s + %.3f s re-sync)"
                           % (loss.lost, loss.new_size, epoch + 1, step, loss.seconds,
                              loss.resync_seconds), flush=True)
-                for cb in callbacks:
-                    if hasattr(cb, "on_rank_loss"):
-                        cb.on_rank_loss(loss)
+                _tell_callbacks(callbacks, loss)
         return _merge_histories(histories) if histories else self.history
 
     return fit
 
 
-def _redo_after_failure(model, run):
+def _tell_callbacks(callbacks, loss):
+    """Call ``on_rank_loss(loss)`` on the script's callbacks that define it."""
+    for cb in callbacks or ():
+        if hasattr(cb, "on_rank_loss"):
+            cb.on_rank_loss(loss)
+
+
+def _redo_after_failure(model, run, callbacks):
     """``run()``, started over on the survivors if a rank fails during it (ULFM).
 
     For work that changes no weights (evaluate, predict): after a recovery
-    the survivors take rank 0's weights and simply run it again, re-divided.
+    the survivors take rank 0's weights and simply run it again, re-divided;
+    ``callbacks`` that define ``on_rank_loss`` hear of it as in ``fit``.
     """
     from matex import _resilience
 
@@ -380,6 +386,7 @@ def _redo_after_failure(model, run):
             _resilience.check_replicas([v.numpy() for v in model.variables], "model weights")
             loss.resync_seconds = time.time() - started
             _resilience.notify(loss)
+            _tell_callbacks(callbacks, loss)
 
 
 def _evaluate(original):
@@ -393,12 +400,16 @@ def _evaluate(original):
         callbacks = a["callbacks"]
 
         def run():
+            if getattr(self, "optimizer", None) is not None:
+                from matex import _faults
+
+                _faults.maybe_fail(int(self.optimizer.iterations), "evaluate")
             a["x"], a["y"], a["sample_weight"], a["batch_size"] = _shard_input(*data, False, 0)
             a["verbose"] = _quiet(a["verbose"])
             a["callbacks"] = _rank0_callbacks(callbacks)
             return _call(original, bound)
 
-        return _redo_after_failure(self, run)
+        return _redo_after_failure(self, run, callbacks)
 
     return evaluate
 
@@ -425,7 +436,7 @@ def _predict(original):
             pieces = _runtime.comm().allgather(mine)
             return tf.nest.map_structure(lambda *parts: np.concatenate(parts), *pieces)
 
-        return _redo_after_failure(self, run)
+        return _redo_after_failure(self, run, callbacks)
 
     return predict
 

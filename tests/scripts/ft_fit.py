@@ -65,9 +65,10 @@ class Progress(keras.callbacks.Callback):
                            "started": info.started, "seconds": info.seconds})
 
 
+progress = Progress()
 history = model.fit(x, y, batch_size=batch, epochs=epochs, shuffle=True, verbose=0,
-                    callbacks=[Progress()])
-loss, acc = model.evaluate(x, y, verbose=0)
+                    callbacks=[progress])
+loss, acc = model.evaluate(x, y, verbose=0, callbacks=[progress])
 import matex  # noqa: E402  (for the report only)
 from matex import _resilience  # noqa: E402
 
