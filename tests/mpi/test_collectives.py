@@ -1,5 +1,6 @@
 """Every collective x dtype x reduce op against NumPy, eager and in tf.function."""
 
+import os
 import time
 
 import ml_dtypes
@@ -125,6 +126,41 @@ def test_large_outputs_held_by_the_caller_are_never_overwritten(mode):
         np.testing.assert_array_equal(sums_b.numpy(), np.full(n, total + 100 * N))
         np.testing.assert_array_equal(root_a.numpy(), np.full(n, N))
         np.testing.assert_array_equal(root_b.numpy(), np.full(n, 100))
+
+
+def _vm_flags(address):
+    """The VmFlags of this process's mapping that holds ``address``."""
+    flags, inside = None, False
+    for line in open("/proc/self/smaps"):
+        head = line.split()[0]
+        if "-" in head and ":" not in head:
+            lo, hi = (int(x, 16) for x in head.split("-"))
+            inside = lo <= address < hi
+        elif inside and head == "VmFlags:":
+            flags = line.split()[1:]
+    return flags
+
+
+THP = "/sys/kernel/mm/transparent_hugepage/enabled"
+
+
+@pytest.mark.skipif(not os.path.exists(THP) or "[never]" in open(THP).read(),
+                    reason="no transparent huge pages on this kernel")
+@pytest.mark.parametrize("what", ["allreduce", "allgather"])
+def test_large_outputs_ask_for_huge_pages(what):
+    # MPI writes large outputs whole on every call: 4 KB pages cost TLB misses
+    # (NumPy asks huge pages for its large arrays; the benchmark's reference).
+    n = 3 << 20   # 12 MB of float32: at least one whole 2 MB page inside
+    if what == "allreduce":
+        out = matex.allreduce(tf.fill([n], float(R)), "sum")
+        expected = np.full(n, float(sum(range(N))))
+    else:
+        out = matex.allgather(tf.fill([n // N], float(R)))
+        expected = np.repeat(np.arange(N, dtype=np.float32), n // N)
+    np.testing.assert_array_equal(out.numpy(), expected)
+    start = np.from_dlpack(out).ctypes.data
+    middle = (start + (4 << 20)) & ~((2 << 20) - 1)   # a huge-page boundary inside it
+    assert "hg" in _vm_flags(middle)
 
 
 def test_allreduce_gradient_sum_and_average():

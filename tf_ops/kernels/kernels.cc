@@ -6,6 +6,9 @@
 // UNAVAILABLE: TensorFlow rewrites that code, dropping payloads, when it comes
 // from an op inside a nested function.) Ranks that disagree on a collective
 // get INVALID_ARGUMENT; other failures are INTERNAL without the payload.
+#include <sys/mman.h>
+
+#include <cstdint>
 #include <cstring>
 #include <string>
 #include <vector>
@@ -91,6 +94,21 @@ absl::Status InPlaceOutput(OpKernelContext* ctx, matex::DataType* dtype,
 
 void* Mutable(const matex::TensorRef& ref) { return const_cast<void*>(ref.data); }
 
+// Ask the kernel for transparent huge pages under a large output buffer, as
+// NumPy does for its large arrays: MPI writes it at full size every call, and
+// with 4 KB pages the copies spend their time on TLB misses. A hint only: it
+// changes no data and any failure is ignored.
+void HugePagesFor(const Tensor& t) {
+  constexpr uintptr_t kHuge = uintptr_t(2) << 20;
+  constexpr size_t kFrom = size_t(4) << 20;
+  const size_t bytes = t.tensor_data().size();
+  if (bytes < kFrom) return;
+  const uintptr_t begin = reinterpret_cast<uintptr_t>(t.tensor_data().data());
+  const uintptr_t first = (begin + kHuge - 1) & ~(kHuge - 1);
+  const uintptr_t last = (begin + bytes) & ~(kHuge - 1);
+  if (last > first) madvise(reinterpret_cast<void*>(first), last - first, MADV_HUGEPAGE);
+}
+
 class AllreduceOp : public OpKernel {
  public:
   explicit AllreduceOp(OpKernelConstruction* c) : OpKernel(c) {
@@ -104,6 +122,7 @@ class AllreduceOp : public OpKernel {
     OP_REQUIRES_OK(ctx, CoreType(in.dtype(), &dtype));
     Tensor* out = nullptr;
     OP_REQUIRES_OK(ctx, ctx->forward_input_or_allocate_output({0}, 0, in.shape(), &out));
+    HugePagesFor(*out);
     OP_REQUIRES_OK(ctx, ToTf(matex::Allreduce(Ref(in), Mutable(Ref(*out)), dtype, op_),
                              "matex allreduce"));
   }
@@ -175,7 +194,9 @@ class AllgatherOp : public OpKernel {
       shape.set_dim(0, rows);
       Tensor* out = nullptr;
       alloc_status = ctx->allocate_output(0, shape, &out);
-      return alloc_status.ok() ? const_cast<char*>(out->tensor_data().data()) : nullptr;
+      if (!alloc_status.ok()) return nullptr;
+      HugePagesFor(*out);
+      return const_cast<char*>(out->tensor_data().data());
     };
     std::vector<int64_t> first_dims;
     matex::Status s = matex::Allgather(Ref(in), dtype, allocate, &first_dims);
