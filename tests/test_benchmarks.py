@@ -69,9 +69,11 @@ def test_allreduce(tmp_path):
     stdout, results = run_driver("allreduce", tmp_path)
     assert_finite_table(stdout)
     assert len(table_rows(stdout)) == 3
-    assert_targets(stdout, 5)
+    assert_targets(stdout, 6)
     assert all(math.isfinite(n) and n > 0 for n in numbers(results["mpi"]["us"]))
     assert all(math.isfinite(n) and n > 0 for n in numbers(results["mwms"]["us"]))
+    for row in results["mwms"]["us"].values():
+        assert set(row) == {"mwms", "mwms_function"}
     for calls in results["mpi"]["mpi_calls"].values():
         assert calls == {"eager": 2, "function": 2, "eager_nocheck": 1, "function_nocheck": 1}
 
