@@ -15,8 +15,8 @@ Fields of one fault (faults are separated by ``;``):
   (before the step's forward pass; Keras ``fit`` only), ``evaluate`` (on
   entering Keras ``evaluate``; ``step`` is the optimizer step count then),
   ``checkpoint`` (on rank 0 while it writes a checkpoint, after the data and
-  before the rename;
-  ``step`` is then the optimizer step at which the checkpoint is written) or
+  before the rename; ``step`` is then the optimizer step at which the
+  checkpoint is written) or
   ``start`` (under ULFM, during MaTEx's start-up, after MPI is initialised and
   before the first collective; ``step`` must be 0).
 
