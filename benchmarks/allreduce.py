@@ -5,19 +5,19 @@
 
 Two ranks on this machine, float32 sum. Phase ``mpi`` (one mpiexec) measures,
 interleaved round-robin per size: raw mpi4py ``Allreduce`` of NumPy arrays
-into a preallocated buffer (the reference), the same as a copy followed by an
-in-place ``Allreduce`` (what the fused path does), raw ``Allreduce`` followed
-by the cheapest eager TensorFlow op (the floor for any eager op wrapping MPI),
-``matex.allreduce`` called eagerly, and ``matex.allreduce`` inside a
-``tf.function`` issuing N >= 8 of them per call (time / N; N makes a call
-last ~50 ms, so TensorFlow's fixed cost of a call is spread as over a training
-step's collectives), the two matex ones
-also with the core's agreement check disabled. Phase ``mwms`` (its own
-mpiexec: the strategy must exist before other TensorFlow work) measures ring
-all-reduces inside a ``tf.function`` through ``strategy.run``: one per call,
-and N >= 8 per call like the matex one (no MPI barrier there: its busy-wait
-would slow the strategy's threads). Each figure is the median over rounds of a batch's time
-per call, the worse of the two ranks, then the median over ``--repeats`` runs.
+into a preallocated buffer (the reference); the same as a copy followed by an
+in-place ``Allreduce`` (what the fused path does); raw ``Allreduce`` followed
+by the cheapest eager TensorFlow op (the floor for any eager op wrapping MPI);
+``matex.allreduce`` called eagerly; and ``matex.allreduce`` inside a
+``tf.function`` issuing N >= 8 of them per call (time / N; N makes a call last
+~50 ms, so TensorFlow's fixed cost of a call is spread as over a training
+step's collectives); the two matex ones also with the core's agreement check
+disabled. Phase ``mwms`` (its own mpiexec: the strategy must exist before
+other TensorFlow work) measures ring all-reduces inside a ``tf.function``
+through ``strategy.run``: one per call, and N per call like the matex one (no
+MPI barrier there: its busy-wait would slow the strategy's threads). Each
+figure is the median over rounds of a batch's time per call, the worse of the
+two ranks, then the median over ``--repeats`` runs.
 
 Targets (from the issue): matex <= 1.10x raw MPI from 1 MB up, <= +20 us at
 4 KB, and >= 10x faster than MultiWorkerMirroredStrategy up to 1 MB.
@@ -179,19 +179,20 @@ def report(results, quick):
     mpi, mwms = results["mpi"]["us"], results["mwms"]["us"]
     rows = []
     for nbytes in sizes(quick):
-        us, ref = mpi[str(nbytes)], mpi[str(nbytes)]["mpi"]
+        us, ref, strategy = mpi[str(nbytes)], mpi[str(nbytes)]["mpi"], mwms[str(nbytes)]
         rows.append([
             _common.size_label(nbytes), "%.1f" % ref, "%.2f" % (us["mpi_copy_in_place"] / ref),
             "%.2f" % (us["mpi_then_tf_op"] / ref),
             "%.1f" % us["eager"], "%.2f" % (us["eager"] / ref),
             "%.1f" % us["function"], "%.2f" % (us["function"] / ref),
             "%.2f" % (us["eager_nocheck"] / ref), "%.2f" % (us["function_nocheck"] / ref),
-            "%.1f" % mwms[str(nbytes)]["mwms"], "%.1f" % (mwms[str(nbytes)]["mwms"] / us["eager"]),
-            "%.1f" % mwms[str(nbytes)]["mwms_function"],
-            "%.1f" % (mwms[str(nbytes)]["mwms_function"] / us["function"]),
+            "%.1f" % strategy["mwms"], "%.1f" % (strategy["mwms"] / us["eager"]),
+            "%.1f" % strategy["mwms_function"],
+            "%.1f" % (strategy["mwms_function"] / us["function"]),
         ])
     headers = ["size", "mpi4py us", "mpi4py copy+in-place x mpi4py",
-               "mpi4py + any TF eager op x mpi4py", "matex eager us", "x mpi4py", "matex tf.function us", "x mpi4py",
+               "mpi4py + any TF eager op x mpi4py", "matex eager us", "x mpi4py",
+               "matex tf.function us", "x mpi4py",
                "eager no-check x mpi4py", "tf.function no-check x mpi4py",
                "MWMS us", "MWMS / matex eager",
                "MWMS N per tf.function us", "that / matex tf.function"]

@@ -101,7 +101,8 @@ def fault_free(tmp_path_factory):
     ("rank=1,step=0,kind=kill,at=start", [0, 2, 3]),               # during MaTEx's start-up
     ("rank=2,step=30,kind=kill,at=evaluate", [0, 1, 3]),           # in evaluate, after fit
 ], ids=["kill-middle-mid", "kill-rank0-first", "exception-last-boundary", "hang-middle",
-        "two-at-once", "down-to-one", "kill-last-step", "kill-at-begin", "kill-at-start", "kill-in-evaluate"])
+        "two-at-once", "down-to-one", "kill-last-step", "kill-at-begin", "kill-at-start",
+        "kill-in-evaluate"])
 def test_survivors_finish_with_nothing_lost_or_repeated(tmp_path, fault_free, faults,
                                                         survivors):
     proc, out = _launch(tmp_path, 4, faults)
