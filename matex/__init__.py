@@ -12,9 +12,9 @@
 Run under MPI: ``mpiexec -n 4 python train.py``.
 """
 
-from matex import _resilience
+from matex import _config
 
-if _resilience.launched_with_ft():
+if _config.ft_requested():
     # Under ULFM (mpiexec --with-ft ulfm) MPI_Finalize can wait forever on the
     # failure detector once a rank has died: skip it, as a crashed rank would.
     # Exit codes are kept. Effective if mpi4py.MPI is not imported yet.
@@ -36,12 +36,12 @@ _LAZY = {
     "broadcast": "matex._collectives",
     "allgather": "matex._collectives",
     "broadcast_variables": "matex._collectives",
-    "mpi_error_class": "matex._collectives",
+    "mpi_error_class": "matex.errors",
     "DistributedOptimizer": "matex._optimizer",
     "DistributedGradientTape": "matex._tape",
     "shard": "matex._sharding",
     "on_rank_loss": "matex._resilience",
-    "run_resilient": "matex._resilience",
+    "run_resilient": "matex._recovery",
 }
 
 

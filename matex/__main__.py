@@ -2,7 +2,7 @@
 
 The script runs as its own ``__main__`` (``sys.argv``, ``__name__`` and exit
 codes behave as when it runs alone). When it imports Keras (``import keras``,
-``tf.keras``), Keras is made distributed (``matex._keras_patch``). Ranks other
+``tf.keras``), Keras is made distributed (``matex._keras``). Ranks other
 than 0 print nothing on stdout unless ``--all-ranks`` is given, in which case
 their lines are prefixed with ``[rank N]``. An uncaught exception on any rank
 prints its traceback and aborts the whole MPI job, so no rank hangs.
@@ -70,7 +70,9 @@ def _run(argv):
     if _resilience.mode() == "ulfm":
         # MPI starts now, with the thread that keeps heartbeats flowing while
         # the script imports TensorFlow and computes.
-        _resilience.keep_progressing()
+        from matex import _runtime
+
+        _runtime.keep_progressing()
     from matex import _transparent
 
     sys.argv = list(argv)
@@ -81,7 +83,7 @@ def _run(argv):
             _transparent.leave_script_rngs_alone()
         elif size:
             _transparent.seed_script_rngs()
-        # (launcher unknown: seeded when Keras is imported, see _keras_patch.install)
+        # (launcher unknown: seeded when Keras is imported, see matex._keras.install)
         _transparent.after_import("keras", _install_keras_patch)
         runpy.run_path(script, run_name="__main__")
     except SystemExit as exc:
@@ -98,9 +100,9 @@ def _run(argv):
 
 
 def _install_keras_patch(module):
-    from matex import _keras_patch
+    from matex._keras.install import install
 
-    _keras_patch.install()
+    install()
 
 
 def _abort_job():

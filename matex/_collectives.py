@@ -12,6 +12,7 @@ import tensorflow as tf
 
 from matex import _native, _runtime
 from matex._runtime import _run_as_is
+from matex.errors import mpi_error_class  # noqa: F401 - re-exported
 
 REDUCE_OPS = ("sum", "average", "min", "max")
 DTYPES = (tf.float16, tf.bfloat16, tf.float32, tf.float64, tf.int32, tf.int64)
@@ -131,15 +132,6 @@ def broadcast_variables(variables, root=0):
     """Assign rank ``root``'s value to each variable, on every rank."""
     for v in variables:
         v.assign(broadcast(v, root))
-
-
-def mpi_error_class(error):
-    """The MPI error class carried by a MaTEx op error, or None."""
-    payloads = getattr(error, "experimental_payloads", None) or {}
-    for key, value in payloads.items():
-        if key in (b"matex.mpi_error_class", "matex.mpi_error_class"):
-            return int(value)
-    return None
 
 
 # ---- gradients --------------------------------------------------------------

@@ -26,6 +26,8 @@ A fault fires once.
 import os
 import signal
 
+from matex import _config
+
 KINDS = ("kill", "exception", "hang")
 PLACES = ("allreduce", "begin", "evaluate", "checkpoint", "start")
 
@@ -85,7 +87,7 @@ def pending():
     global _pending
     if _pending is None:
         rank = _world_rank()
-        _pending = [f for f in parse(os.environ.get("MATEX_INJECT_FAULT", "")) if f.rank == rank]
+        _pending = [f for f in parse(_config.inject_fault_spec()) if f.rank == rank]
     return _pending
 
 

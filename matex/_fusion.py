@@ -8,28 +8,11 @@ the previous collective, for ordering), so it starts while backprop is still
 computing the earlier layers' gradients.
 """
 
-import os
-
 import tensorflow as tf
 
-from matex import _collectives
+from matex import _collectives, _config
 
-DEFAULT_THRESHOLD = 16 * 1024 * 1024
-
-
-def fusion_threshold():
-    """Bucket size in bytes: ``MATEX_FUSION_THRESHOLD`` or 16 MiB; 0 disables fusion."""
-    value = os.environ.get("MATEX_FUSION_THRESHOLD")
-    if value is None or value == "":
-        return DEFAULT_THRESHOLD
-    try:
-        threshold = int(value)
-    except ValueError:
-        raise ValueError("MATEX_FUSION_THRESHOLD must be a number of bytes, not %r"
-                         % value) from None
-    if threshold < 0:
-        raise ValueError("MATEX_FUSION_THRESHOLD must be >= 0, not %d" % threshold)
-    return threshold
+fusion_threshold = _config.fusion_threshold
 
 
 def _nbytes(t):

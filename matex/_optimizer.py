@@ -20,7 +20,7 @@ import threading
 
 import tensorflow as tf
 
-from matex import _collectives, _faults, _fusion
+from matex import _collectives, _compat, _faults, _fusion
 
 _classes = {}
 _classes_lock = threading.Lock()
@@ -42,6 +42,8 @@ class _DistributedMixin:
     """Methods mixed in front of the wrapped optimizer's class."""
 
     def apply(self, grads, trainable_variables=None):
+        if is_reduced_by_wrapper(self):   # the wrapping optimizer reduced them already
+            return super().apply(grads, trainable_variables)
         state = self._matex
         grads = list(grads)
         if state.capture is not None:
@@ -54,7 +56,8 @@ class _DistributedMixin:
                 self.built = True
         gate = None
         if not state.synced:
-            gate = self._matex_first_step_sync(trainable_variables or self._trainable_variables)
+            gate = self._matex_first_step_sync(
+                trainable_variables or _compat.optimizer_trainable_variables(self))
         gates = [gate] if gate is not None else []
         hook = _faults.graph_hook(tf.convert_to_tensor(self.iterations))
         if hook is not None:
@@ -176,6 +179,17 @@ def is_distributed(optimizer):
     return isinstance(optimizer, _DistributedMixin)
 
 
+def is_reduced_by_wrapper(optimizer):
+    """Whether ``optimizer`` is the inner optimizer of a distributed wrapper.
+
+    A ``LossScaleOptimizer`` (mixed precision) reduces the scaled gradients
+    itself, so every rank sees the same non-finite steps and skips them
+    together; its inner optimizer then applies them as they are: reducing
+    again would double the traffic.
+    """
+    return getattr(optimizer, "_matex_reduced_by_wrapper", False)
+
+
 def DistributedOptimizer(optimizer, op="average", fusion_threshold=None):
     """Make a Keras 3 optimizer average gradients over all ranks before updating.
 
@@ -210,6 +224,9 @@ def DistributedOptimizer(optimizer, op="average", fusion_threshold=None):
     _patch_keras_trainer()
     optimizer.__class__ = _distributed_class(type(optimizer))
     object.__setattr__(optimizer, "_matex", _State(op, fusion_threshold))
+    inner = getattr(optimizer, "inner_optimizer", None)   # LossScaleOptimizer
+    if inner is not None:
+        object.__setattr__(inner, "_matex_reduced_by_wrapper", True)
     return optimizer
 
 
@@ -254,9 +271,7 @@ def _split_xla_step(model):
 
 def _patch_keras_trainer():
     """Route ``fit``'s step through ``_split_xla_step`` for distributed optimizers."""
-    from keras.src.backend.tensorflow import trainer as tf_trainer
-
-    cls = tf_trainer.TensorFlowTrainer
+    cls = _compat.tf_trainer_class()
     if getattr(cls, "_matex_patched", False):
         return
     original = cls.make_train_function
@@ -264,12 +279,12 @@ def _patch_keras_trainer():
     def make_train_function(self, force=False):
         if (self.train_function is None or force) and is_distributed(
                 getattr(self, "optimizer", None)) and not self.run_eagerly and self.jit_compile:
-            jit = self._jit_compile
-            self._jit_compile = False  # the outer step; compute inside stays XLA
+            jit = _compat.jit_compile(self)
+            _compat.set_jit_compile(self, False)  # the outer step; compute inside stays XLA
             try:
-                self.train_function = self._make_function(_split_xla_step(self))
+                self.train_function = _compat.make_function(self, _split_xla_step(self))
             finally:
-                self._jit_compile = jit
+                _compat.set_jit_compile(self, jit)
             return self.train_function
         return original(self, force)
 

@@ -1,12 +1,24 @@
-"""Process-wide MaTEx state: the MPI communicator in use.
+"""Process-wide MaTEx state: the MPI communicators in use.
 
 The communicator is state, not a constant: ``_set_comm`` replaces it (the
-resilience layer swaps in a shrunk one), and every reader, Python or C++,
-asks for the current one at the time of use.
+resilience layer swaps in a shrunk one), frees the ones it replaces, and
+every reader, Python or C++, asks for the current one at the time of use.
+
+Two communicators over the same ranks are kept apart:
+
+* ``comm()``: the data communicator, used by the collective ops (C++);
+* ``control()``: a duplicate for MaTEx's own Python-level traffic
+  (agreement, digests, seeds, file broadcasts), so that control messages can
+  never match a data collective issued by another thread.
 """
 
+import os
+import sys
 import threading
+import time
 import warnings
+
+from matex import _config
 
 _lock = threading.RLock()
 
@@ -21,8 +33,24 @@ def _run_as_is(function):
     """
     function.autograph_info__ = frozenset()
     return function
+
+
 _comm = None        # mpi4py communicator every collective uses
+_control = None     # duplicate of _comm for MaTEx's Python-level messages
 _local = None       # ranks of _comm sharing this node
+_owned = False      # whether MaTEx created _comm (then it frees it when replaced)
+_peers = None       # world rank -> (hostname, pid) of the ranks alive at start-up (ULFM)
+
+PROGRESS_INTERVAL = 0.05   # seconds between a background thread's entries into MPI
+
+
+def ft_mode():
+    """"ulfm" when launched with ULFM fault tolerance, else "none"."""
+    if not _config.ft_requested():
+        return "none"   # without initialising MPI
+    from mpi4py import MPI
+
+    return "ulfm" if hasattr(MPI.Comm, "Shrink") else "none"
 
 
 @_run_as_is
@@ -30,7 +58,10 @@ def init(comm=None):
     """Start MaTEx on ``comm`` (default: a duplicate of ``MPI.COMM_WORLD``).
 
     Idempotent: later calls without ``comm`` do nothing. Every public function
-    calls it implicitly, so calling it yourself is optional.
+    calls it implicitly, so calling it yourself is optional. Starting is
+    collective over ``MPI.COMM_WORLD``: if some rank does not arrive within
+    ``MATEX_START_TIMEOUT`` seconds, the ranks that did raise an error instead
+    of hanging.
     """
     with _lock:
         if _comm is not None and comm is None:
@@ -43,29 +74,150 @@ def init(comm=None):
                 "collectives on TensorFlow's threads, so do not call mpi4py "
                 "concurrently with training", RuntimeWarning, stacklevel=2)
         if comm is not None:
-            _set_comm(comm)
+            _set_comm(comm, owned=False)
             return
-        from matex import _resilience
-
-        if _resilience.mode() == "ulfm":
-            _resilience.start()
+        if ft_mode() == "ulfm":
+            _start_ulfm()
         else:
+            MPI.COMM_WORLD.Set_errhandler(MPI.ERRORS_RETURN)
+            _wait_for_every_rank(MPI.COMM_WORLD)
             _set_comm(MPI.COMM_WORLD.Dup())
 
 
-def _set_comm(comm):
-    """Make ``comm`` the communicator of every later collective (collective call)."""
-    global _comm, _local
+def _wait_for_every_rank(world, tolerate=()):
+    """Return once every rank of ``world`` has called this; raise after the start timeout.
+
+    A non-blocking barrier, polled: ranks that are late by a few seconds
+    (reading data, building) are waited for; a rank that never comes (the
+    script started MaTEx on some ranks only) turns into a clear error on the
+    ranks that did, instead of a hang in the first collective.
+    ``tolerate``: MPI error classes that end the wait quietly (ULFM: a rank
+    died before it arrived; the shrink that follows drops it).
+    """
+    from mpi4py import MPI
+
+    timeout = _config.start_timeout()
+    try:
+        request = world.Ibarrier()
+        deadline, pause = time.monotonic() + timeout, 0.0005
+        while not request.Test():
+            if time.monotonic() > deadline:
+                raise RuntimeError(
+                    "matex: rank %d waited %.0f s for the other ranks to start MaTEx "
+                    "(MATEX_START_TIMEOUT). Starting is collective: `import matex.keras`, "
+                    "matex.init() and the first MaTEx call must run on every rank, not "
+                    "inside code that only some ranks execute (e.g. `if rank == 0:`)."
+                    % (world.Get_rank(), timeout))
+            time.sleep(pause)
+            pause = min(pause * 2, 0.05)
+    except MPI.Exception as exc:
+        if exc.Get_error_class() not in tolerate:
+            raise
+
+
+def keep_progressing():
+    """Under ULFM, keep MPI's progress engine turning from a background thread.
+
+    The launcher runs the heartbeat failure detector without its own thread
+    (that thread can crash a peer still in ``MPI_Init``); heartbeats then
+    flow only while some thread is inside MPI, which this thread ensures
+    during long computation. Initialises MPI. Idempotent.
+    """
+    import atexit
+
+    from matex import _native
+
+    core = _native.core()
+    if not core.progress_thread_running():
+        core.start_progress_thread(PROGRESS_INTERVAL)
+        atexit.register(core.stop_progress_thread)
+
+
+def _start_ulfm():
+    """Under ULFM: begin on the ranks alive at start-up and install their communicator.
+
+    The communicator is a shrink of ``MPI_COMM_WORLD`` rather than a duplicate:
+    a rank that died (or was declared dead by the failure detector) before
+    training began is dropped here, uniformly on every survivor, instead of
+    failing the first collective. Also records every survivor's host and pid.
+    """
+    global _peers
+    import socket
+
+    from mpi4py import MPI
+
+    from matex import _faults
+    from matex.errors import _failure_classes
+
+    world = MPI.COMM_WORLD
+    world.Set_errhandler(MPI.ERRORS_RETURN)
+    keep_progressing()
+    _faults.maybe_fail(0, "start")
+    failures = _failure_classes()
+    _wait_for_every_rank(world, tolerate=failures)
+    me = (world.Get_rank(), socket.gethostname(), os.getpid())
+    try:   # every launched rank, to end lost ones that still run on this host
+        _peers = {r: (host, pid) for r, host, pid in world.allgather(me)}
+    except MPI.Exception as exc:
+        if exc.Get_error_class() not in failures:
+            raise
+    _set_comm(world.Shrink())
+    alive = {r: (host, pid) for r, host, pid in _control.allgather(me)}
+    _peers = _peers or alive
+    lost = sorted(set(range(world.Get_size())) - set(alive))
+    if lost:
+        end_lost_processes(lost)
+        if _comm.Get_rank() == 0:
+            sys.stderr.write("matex: rank(s) %s failed during start-up; %d rank(s) go on\n"
+                             % (", ".join(map(str, lost)), _comm.Get_size()))
+            sys.stderr.flush()
+
+
+def end_lost_processes(world_ranks):
+    """SIGKILL lost ranks still alive on this host (a hung rank keeps mpiexec waiting)."""
+    import signal
+    import socket
+
+    if _peers is None:
+        return
+    here = socket.gethostname()
+    for rank in world_ranks:
+        host, pid = _peers.get(rank, (None, None))
+        if host == here and pid != os.getpid():
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except OSError:
+                pass   # already gone
+
+
+def _set_comm(comm, owned=True):
+    """Make ``comm`` the communicator of every later collective (collective call).
+
+    The communicators it replaces are freed (the data communicator only if
+    MaTEx created it: one the script passed to ``init`` stays the script's).
+    Freeing is local in MPI, so it is safe on a revoked communicator.
+    """
+    global _comm, _control, _local, _owned
     from mpi4py import MPI
 
     with _lock:
         comm.Set_errhandler(MPI.ERRORS_RETURN)
         local = comm.Split_type(MPI.COMM_TYPE_SHARED, key=comm.Get_rank())
-        _comm, _local = comm, local
+        control = comm.Dup()
+        control.Set_errhandler(MPI.ERRORS_RETURN)
+        old = (_comm, _control, _local, _owned)
+        _comm, _control, _local, _owned = comm, control, local, owned
         from matex import _native
 
         if _native._core is not None:
             _native._core.set_communicator(MPI._handleof(comm))
+        old_comm, old_control, old_local, old_owned = old
+        for c in (old_local, old_control) + ((old_comm,) if old_owned else ()):
+            if c is not None and c != MPI.COMM_NULL:
+                try:
+                    c.Free()
+                except MPI.Exception:
+                    pass   # a communicator the failure left unusable: nothing to release
 
 
 def _core():
@@ -87,6 +239,12 @@ def comm():
     """The mpi4py communicator MaTEx currently uses (it may be replaced after a failure)."""
     init()
     return _comm
+
+
+def control():
+    """The duplicate of ``comm()`` for MaTEx's own Python-level messages."""
+    init()
+    return _control
 
 
 @_run_as_is

@@ -33,7 +33,7 @@ import os
 import random
 import sys
 
-_SIZE_VARIABLES = ("OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "MV2_COMM_WORLD_SIZE")
+from matex import _config
 
 _seed = None        # the seed in use; None: not decided yet
 _decided = False
@@ -80,12 +80,7 @@ def after_import(name, action):
         sys.meta_path.insert(0, _AfterImport(name, action))
 
 
-def launched_size():
-    """Number of ranks the launcher says it started (from its environment), or None."""
-    for var in _SIZE_VARIABLES:
-        if os.environ.get(var, "").isdigit():
-            return int(os.environ[var])
-    return None
+launched_size = _config.launched_size
 
 
 def _seed_tensorflow(module):
@@ -104,7 +99,7 @@ def seed_script_rngs():
     _decided = True
     from matex import _runtime
 
-    comm = _runtime.comm()
+    comm = _runtime.control()
     if comm.Get_size() == 1:
         return None
     import numpy as np

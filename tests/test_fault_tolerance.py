@@ -17,6 +17,7 @@ import subprocess
 import sys
 import time
 
+import numpy as np
 import pytest
 
 import mpitools
@@ -27,7 +28,7 @@ STEPS, EPOCHS, N = 10, 3, 300
 SHM_SEGMENTS = "/dev/shm/sm_segment.*"   # Open MPI's shared-memory transport files
 
 
-def _launch(tmp_path, nranks, faults=None, ft=True):
+def _launch(tmp_path, nranks, faults=None, ft=True, extra=()):
     out = str(tmp_path / "r")
     env = launch.launch_env()
     env["TF_CPP_MIN_LOG_LEVEL"] = "2"
@@ -36,7 +37,7 @@ def _launch(tmp_path, nranks, faults=None, ft=True):
         env["MATEX_INJECT_FAULT"] = faults
         mpi_args = ["-x", "MATEX_INJECT_FAULT"] + mpi_args
     cmd = launch.mpiexec_command(nranks, [sys.executable, "-m", "matex", SCRIPT, out, str(N),
-                                          "32", str(EPOCHS)], mpi_args=mpi_args)
+                                          "32", str(EPOCHS)] + list(extra), mpi_args=mpi_args)
     proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                             text=True, start_new_session=True)
     return proc, out
@@ -69,6 +70,8 @@ def _check(results, survivors, out, err, reference=None, size=None):
     digests = {r["digest"] for r in results.values()}
     assert len(digests) == 1, "survivors' states differ"
     for r in results.values():
+        if r["recoveries"]:   # the communicators before the failure were freed
+            assert r["freed"] == [True, True], r["freed"]
         assert r["size"] == (len(survivors) if size is None else size)
         assert r["iterations"] == STEPS * EPOCHS
         assert r["seen"] == [float(EPOCHS)] * N, "a sample was lost or trained twice"
@@ -100,12 +103,19 @@ def fault_free(tmp_path_factory):
     ("rank=2,step=10,kind=kill,at=begin", [0, 1, 3]),              # before the forward pass
     ("rank=1,step=0,kind=kill,at=start", [0, 2, 3]),               # during MaTEx's start-up
     ("rank=2,step=30,kind=kill,at=evaluate", [0, 1, 3]),           # in evaluate, after fit
+    # in fit's validation pass, after the first epoch (Keras hands evaluate a CallbackList)
+    ("rank=2,step=10,kind=kill,at=evaluate;validate", [0, 1, 3]),
+    ("rank=1,step=20,kind=exception,at=evaluate;validate", [0, 2, 3]),
+    ("rank=3,step=10,kind=hang,at=evaluate;validate", [0, 1, 2]),
 ], ids=["kill-middle-mid", "kill-rank0-first", "exception-last-boundary", "hang-middle",
         "two-at-once", "down-to-one", "kill-last-step", "kill-at-begin", "kill-at-start",
-        "kill-in-evaluate"])
+        "kill-in-evaluate", "kill-in-validation", "exception-in-validation",
+        "hang-in-validation"])
 def test_survivors_finish_with_nothing_lost_or_repeated(tmp_path, fault_free, faults,
                                                         survivors):
-    proc, out = _launch(tmp_path, 4, faults)
+    validate = faults.endswith(";validate")
+    faults = faults.replace(";validate", "")
+    proc, out = _launch(tmp_path, 4, faults, extra=["validate"] if validate else [])
     stdout, err = _finish(proc)
     # survivors exit 0; a failed rank (killed, hung or raising) ends as a crash
     assert proc.returncode == 0, _tail(err)
@@ -115,8 +125,11 @@ def test_survivors_finish_with_nothing_lost_or_repeated(tmp_path, fault_free, fa
     if "at=start" in faults:
         assert "matex: rank(s) 1 failed during start-up; 3 rank(s) go on" in err
     if "at=evaluate" in faults:   # evaluate is redone on the survivors, callbacks told
+        lost = [int(faults.split("rank=")[1].split(",")[0])]
         for r in _results(out).values():
-            assert [(x["lost"], x["new_size"]) for x in r["recoveries"]] == [([2], 3)]
+            assert [(x["lost"], x["new_size"]) for x in r["recoveries"]] == [(lost, 3)]
+            if validate:   # validation after every epoch, the interrupted one redone
+                assert len(r["val_loss"]) == EPOCHS and all(np.isfinite(r["val_loss"]))
     _check(_results(out), survivors, out, err, reference=fault_free)
 
 

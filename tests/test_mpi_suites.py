@@ -22,4 +22,4 @@ def test_core_without_tensorflow(nranks, tmp_path):
 
 @pytest.mark.parametrize("nranks", [2, 3])
 def test_keras_api(nranks, tmp_path):
-    assert mpitools.run_suite(nranks, ["test_keras_api.py"], tmp_path) >= 7
+    assert mpitools.run_suite(nranks, ["test_keras_api.py", "test_runtime.py"], tmp_path) >= 9

@@ -161,6 +161,10 @@ def test_weak_scaling_refuses_a_learning_rate_schedule():
     assert int(m.optimizer.iterations) == 4
 
 
+class _ScriptsOwnLogger(keras.callbacks.CSVLogger):
+    """A user's subclass of a writer: still a writer (filtered by type, not by name)."""
+
+
 def test_only_rank0_writes_files_and_shows_progress(capsys):
     # Each rank's script writes under its own directory: whatever appears in
     # r1/ was written by rank 1.
@@ -179,7 +183,7 @@ def test_only_rank0_writes_files_and_shows_progress(capsys):
         keras.callbacks.BackupAndRestore(os.path.join(mine, "backup"), delete_checkpoint=False),
         keras.callbacks.ModelCheckpoint(os.path.join(mine, "best.weights.h5"),
                                         save_weights_only=True),
-        keras.callbacks.CSVLogger(os.path.join(mine, "log.csv")),
+        _ScriptsOwnLogger(os.path.join(mine, "log.csv")),
     ]
     m.fit(x, y, batch_size=8, epochs=2, validation_split=0.25, verbose=1, callbacks=callbacks)
     m.save_weights(os.path.join(mine, "final.weights.h5"))
@@ -234,7 +238,7 @@ def test_batchnorm_moving_statistics_are_the_single_process_ones():
 def test_step_snapshot_restores_small_and_large_non_trainable_state():
     # What fit keeps per step under ULFM, to redo a step a failure interrupted:
     # copies of small variables, copy-on-write reads of large ones.
-    from matex import _keras_patch
+    from matex import _recovery
 
     m = model(seed=7)
     m.compile(optimizer=keras.optimizers.SGD(0.1), loss="mse")
@@ -244,15 +248,51 @@ def test_step_snapshot_restores_small_and_large_non_trainable_state():
     small = keras.Variable(np.ones(4, np.float32), trainable=False)
     m.layers[1]._tracker.unlock()
     m.layers[1].extra = [big, small]
-    snapshot = _keras_patch._StepSnapshot(track=True)
-    snapshot.set_model(m)
-    snapshot.on_train_batch_begin(0)
+    state = _recovery.model_state(m)
+    state.begin_step()
     before = [v.numpy().copy() for v in m.non_trainable_variables]
     assert any(v is big for v in m.non_trainable_variables)
     big.assign_add(np.ones(1 << 17, np.float32))
     small.assign(np.zeros(4, np.float32))
     for v in m.non_trainable_variables:
         v.assign(v + 1.0)
-    snapshot.restore_if_not_applied()
+    state.restore()
     for v, want in zip(m.non_trainable_variables, before):
         np.testing.assert_array_equal(v.numpy(), want)
+
+
+@pytest.mark.parametrize("wrapped_by", ["compile", "script"])
+def test_mixed_precision_reduces_gradients_once_per_step(monkeypatch, wrapped_by):
+    # compile wraps Keras's LossScaleOptimizer; its inner optimizer applies the
+    # already reduced gradients (a second reduction would double the traffic).
+    from matex import _fusion
+
+    metrics_threshold = 1 << 30   # get_metrics_result's reductions: not gradients
+    reductions = []
+    original = _fusion.allreduce_gradients
+
+    def counting(grads, op="average", threshold=None):
+        if threshold != metrics_threshold:
+            reductions.append(len(grads))
+        return original(grads, op, threshold)
+
+    monkeypatch.setattr(_fusion, "allreduce_gradients", counting)
+    keras.mixed_precision.set_global_policy("mixed_float16")
+    try:
+        keras.utils.set_random_seed(11)
+        m = keras.Sequential([keras.Input((3,)), keras.layers.Dense(4),
+                              keras.layers.Dense(1, dtype="float32")])
+        optimizer = keras.optimizers.SGD(0.1)
+        if wrapped_by == "script":   # the script distributes the inner optimizer itself
+            optimizer = matex.DistributedOptimizer(optimizer)
+        m.compile(optimizer=optimizer, loss="mse", run_eagerly=True)
+        assert isinstance(m.optimizer, keras.optimizers.LossScaleOptimizer)
+        # 16 global rows (compile: MaTEx shards them), or 16 rows of each rank's
+        # own (explicit use): 2 steps either way
+        seed = 4 if wrapped_by == "compile" else 40 + R
+        x = np.random.default_rng(seed).normal(size=(16, 3)).astype(np.float32)
+        m.fit(x, x.sum(1, keepdims=True), batch_size=8, epochs=1, verbose=0, shuffle=False)
+    finally:
+        keras.mixed_precision.set_global_policy("float32")
+    assert reductions == [4, 4], reductions   # 2 steps, 4 gradients each, once
+    assert all_equal_bytes([v.numpy() for v in m.variables])

@@ -2,7 +2,9 @@
 trained on, replicated on all ranks (an allreduce in the forward pass), so the count
 survives the loss of ranks. Writes OUT.<world rank> on every rank that finishes.
 
-Usage: ft_fit.py OUT N_SAMPLES BATCH EPOCHS
+Usage: ft_fit.py OUT N_SAMPLES BATCH EPOCHS [validate]
+
+"validate": fit also validates, after every epoch, on the first 64 samples.
 """
 
 import json
@@ -15,6 +17,7 @@ import numpy as np
 import tensorflow as tf
 
 out, n, batch, epochs = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4])
+validate = "validate" in sys.argv[5:]
 with open("%s.pid.%s" % (out, os.environ.get("OMPI_COMM_WORLD_RANK", "0")), "w") as f:
     f.write(str(os.getpid()))   # lets a test kill this rank from outside
 rng = np.random.default_rng(0)
@@ -45,6 +48,9 @@ model = keras.Sequential([keras.Input((7,)), CountSamples(),
 model.compile(optimizer=keras.optimizers.Adam(0.01), metrics=["accuracy"],
               loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
 
+from matex import _runtime  # noqa: E402 - the test's instrument: communicators in use now
+
+start_comms = (_runtime.comm(), _runtime.control())
 recoveries = []
 world_rank = int(os.environ.get("OMPI_COMM_WORLD_RANK", "0"))
 
@@ -67,17 +73,20 @@ class Progress(keras.callbacks.Callback):
 
 progress = Progress()
 history = model.fit(x, y, batch_size=batch, epochs=epochs, shuffle=True, verbose=0,
-                    callbacks=[progress])
+                    callbacks=[progress], validation_data=(x[:64], y[:64]) if validate else None)
 loss, acc = model.evaluate(x, y, verbose=0, callbacks=[progress])
 import matex  # noqa: E402  (for the report only)
 from matex import _resilience  # noqa: E402
 
 state = [v.numpy() for v in model.variables + model.optimizer.variables]
 result = {"seen": model.layers[0].seen.numpy().tolist(), "loss": history.history["loss"],
+          "val_loss": history.history.get("val_loss"),
           "accuracy": acc, "size": matex.size(), "digest": _resilience.digest(state),
           "iterations": int(model.optimizer.iterations), "recoveries": recoveries,
           "hostname": socket.gethostname()}
 from mpi4py import MPI  # noqa: E402
+
+result["freed"] = [c == MPI.COMM_NULL for c in start_comms]   # replaced ones are released
 
 with open("%s.%d" % (out, MPI.COMM_WORLD.Get_rank()), "w") as f:
     json.dump(result, f)

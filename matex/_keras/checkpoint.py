@@ -1,11 +1,12 @@
-"""Checkpoints that are never half-written, for restart after a failure.
+"""Checkpoints that are never half-written, and restores that rank 0's files decide.
 
 ``AtomicBackupAndRestore`` is Keras's ``BackupAndRestore`` with two changes:
 files are written under a temporary name and renamed into place (a rank dying
 mid-write leaves the previous checkpoint intact), and whether a checkpoint
 exists is decided on rank 0 and broadcast, so all ranks restore the same state
 even when their view of the file system differs. ``fit`` adds it by itself
-when ``MATEX_CHECKPOINT_DIR`` is set (``matexrun --restart``).
+when ``MATEX_CHECKPOINT_DIR`` is set (``matexrun --restart``). A plain
+``BackupAndRestore`` restores the same way (``restore_on_train_begin``).
 """
 
 import json
@@ -13,7 +14,7 @@ import os
 
 import keras
 
-from matex import _faults, _runtime
+from matex import _compat, _faults, _runtime
 
 
 class AtomicBackupAndRestore(keras.callbacks.BackupAndRestore):
@@ -22,26 +23,24 @@ class AtomicBackupAndRestore(keras.callbacks.BackupAndRestore):
     def _save_model(self):
         if _runtime.rank() != 0:
             return
+        paths = _compat.backup_paths(self)
+        epoch, batch = _compat.backup_position(self)
         os.makedirs(self.backup_dir, exist_ok=True)
         weights_tmp = os.path.join(self.backup_dir, "incoming.weights.h5")
-        meta_tmp = self._training_metadata_path + ".incoming"
+        meta_tmp = paths["meta"] + ".incoming"
         self.model.save_weights(filepath=weights_tmp, overwrite=True)
         with open(meta_tmp, "w") as f:
-            json.dump({"epoch": self._current_epoch, "batch": self._last_batch_seen}, f)
+            json.dump({"epoch": epoch, "batch": batch}, f)
             f.flush()
             os.fsync(f.fileno())
         _faults.maybe_fail(int(self.model.optimizer.iterations), "checkpoint")
-        os.replace(weights_tmp, self._weights_path)
-        os.replace(meta_tmp, self._training_metadata_path)
+        os.replace(weights_tmp, paths["weights"])
+        os.replace(meta_tmp, paths["meta"])
 
     def on_train_begin(self, logs=None):
         if restore(self) and _runtime.rank() == 0:
             print("matex: resumed from the checkpoint in %s at epoch %d"
-                  % (self.backup_dir, self.model._initial_epoch + 1), flush=True)
-
-    def on_train_end(self, logs=None):
-        if self.delete_checkpoint and _runtime.rank() == 0:
-            super().on_train_end(logs)
+                  % (self.backup_dir, _compat.initial_epoch(self.model) + 1), flush=True)
 
 
 def restore(callback):
@@ -51,23 +50,23 @@ def restore(callback):
     the weights are read on rank 0 and broadcast (``load_weights``). Returns
     whether weights were restored.
     """
-    from keras.src.utils import file_utils
-
+    files = _compat.file_utils()
+    paths = _compat.backup_paths(callback)
     state = None
     if _runtime.rank() == 0:
         epoch = None
-        if file_utils.exists(callback._training_metadata_path):
-            with file_utils.File(callback._training_metadata_path, "r") as f:
+        if files.exists(paths["meta"]):
+            with files.File(paths["meta"], "r") as f:
                 epoch = json.loads(f.read())["epoch"]
-        state = (file_utils.exists(callback._weights_path), epoch)
-    has_weights, epoch = _runtime.comm().bcast(state, root=0)
+        state = (files.exists(paths["weights"]), epoch)
+    has_weights, epoch = _runtime.control().bcast(state, root=0)
     model = callback.model
     if has_weights:
         if model.optimizer is not None and not model.optimizer.built:
             model.optimizer.build(model.trainable_variables)
-        model.load_weights(callback._weights_path)   # read on rank 0, broadcast
+        model.load_weights(paths["weights"])   # read on rank 0, broadcast
     if epoch is not None:
-        model._initial_epoch = epoch
+        _compat.set_initial_epoch(model, epoch)
     return has_weights
 
 
@@ -76,20 +75,19 @@ def restore_on_train_begin(callback, logs=None):
 
     As in Keras, unreadable weights fall back to the previous backup, if any.
     """
-    from keras.src.utils import file_utils
-
+    files = _compat.file_utils()
+    paths = _compat.backup_paths(callback)
     try:
         restore(callback)
     except OSError as exc:   # raised on every rank: load_weights shares rank 0's failure
         fallback = None
-        if _runtime.rank() == 0 and file_utils.exists(callback._prev_weights_path):
-            file_utils.copy(callback._prev_weights_path, callback._weights_path)
-            if file_utils.exists(callback._prev_training_metadata_path):
-                file_utils.copy(callback._prev_training_metadata_path,
-                                callback._training_metadata_path)
-            elif file_utils.exists(callback._training_metadata_path):
-                file_utils.remove(callback._training_metadata_path)
+        if _runtime.rank() == 0 and files.exists(paths["prev_weights"]):
+            files.copy(paths["prev_weights"], paths["weights"])
+            if files.exists(paths["prev_meta"]):
+                files.copy(paths["prev_meta"], paths["meta"])
+            elif files.exists(paths["meta"]):
+                files.remove(paths["meta"])
             fallback = True
-        if not _runtime.comm().bcast(fallback, root=0):
+        if not _runtime.control().bcast(fallback, root=0):
             raise exc
         restore(callback)

@@ -1,62 +1,21 @@
-"""Keras 3 callbacks for data-parallel training (Horovod-style, working on Keras 3)."""
+"""Large-batch warmup: ramp the learning rate to ``multiplier`` x over the first epochs."""
 
 import keras
-import numpy as np
 
-from matex import _collectives, _runtime
-
-
-class BroadcastGlobalVariablesCallback(keras.callbacks.Callback):
-    """At the start of training, give every rank rank ``root``'s model variables.
-
-    Covers non-trainable variables (e.g. BatchNorm statistics) and the
-    optimizer's state when it already exists. Added automatically by
-    ``matex.keras``/``python -m matex``.
-    """
-
-    def __init__(self, root=0):
-        super().__init__()
-        self.root = root
-        self._done = False
-
-    def on_train_begin(self, logs=None):
-        if self._done:
-            return
-        variables = list(self.model.variables)
-        optimizer = getattr(self.model, "optimizer", None)
-        if optimizer is not None and optimizer.built:
-            variables += list(optimizer.variables)
-        _collectives.broadcast_variables(variables, self.root)
-        self._done = True
-
-
-class MetricAverageCallback(keras.callbacks.Callback):
-    """Average the epoch-end logs over ranks (for training without ``matex.keras``,
-    whose metrics are already exact global values)."""
-
-    def on_epoch_end(self, epoch, logs=None):
-        if not logs:
-            return
-        keys = sorted(k for k, v in logs.items() if np.ndim(v) == 0)
-        values = np.array([float(logs[k]) for k in keys], np.float64)
-        total = np.empty_like(values)
-        from mpi4py import MPI
-
-        _runtime.comm().Allreduce(values, total, op=MPI.SUM)
-        for k, v in zip(keys, total / _runtime.size()):
-            logs[k] = float(v)
+from matex import _compat, _runtime
 
 
 def check_learning_rate_settable(optimizer, what="scaling the learning rate"):
     """Raise a clear error if ``optimizer``'s learning rate is a schedule (not settable)."""
     from keras.optimizers.schedules import LearningRateSchedule
 
-    if isinstance(getattr(optimizer, "_learning_rate", None), LearningRateSchedule):
+    rate = _compat.learning_rate_object(optimizer)
+    if isinstance(rate, LearningRateSchedule):
         raise ValueError(
             "%s needs a settable learning rate, but this optimizer's is a %s. Scale the "
             "schedule yourself (e.g. its initial rate times matex.size(), with a warmup in the "
             "schedule), or use strong scaling (the default)."
-            % (what, type(optimizer._learning_rate).__name__))
+            % (what, type(rate).__name__))
 
 
 def _unscaled_learning_rate(optimizer):

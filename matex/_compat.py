@@ -1,0 +1,191 @@
+"""Every private Keras and TensorFlow name MaTEx relies on, and nothing else.
+
+MaTEx makes Keras distributed by patching a handful of Keras's own methods
+and reading a few private attributes. All of them are reached through this
+module, so a Keras upgrade that moves one fails ``check()`` (and the test
+that calls it) with the name, instead of failing training somewhere deep.
+
+Tested with Keras ``TESTED_KERAS`` (3.15 here) and TensorFlow 2.21; outside that
+range ``warn_if_untested()`` says so once.
+"""
+
+import importlib
+import warnings
+
+TESTED_KERAS = ((3, 10), (3, 15))   # inclusive minor-version range tested
+TESTED_TENSORFLOW = ((2, 21), (2, 21))
+
+# (module, attribute path) of every private name used below; check() verifies each
+REQUIRED = (
+    ("keras.src.trainers.trainer", "Trainer.compile"),
+    ("keras.src.trainers.trainer", "Trainer.get_metrics_result"),
+    ("keras.src.backend.tensorflow.trainer", "TensorFlowTrainer.fit"),
+    ("keras.src.backend.tensorflow.trainer", "TensorFlowTrainer.evaluate"),
+    ("keras.src.backend.tensorflow.trainer", "TensorFlowTrainer.predict"),
+    ("keras.src.backend.tensorflow.trainer", "TensorFlowTrainer.train_step"),
+    ("keras.src.backend.tensorflow.trainer", "TensorFlowTrainer.make_train_function"),
+    ("keras.src.backend.tensorflow.trainer", "TensorFlowTrainer._make_function"),
+    ("keras.src.optimizers.base_optimizer", "BaseOptimizer.apply"),
+    ("keras.src.saving.saving_api", "save_model"),
+    ("keras.src.saving.saving_api", "load_model"),
+    ("keras.src.trainers.data_adapters.array_slicing", "train_validation_split"),
+    ("keras.src.utils.file_utils", "exists"),
+    ("keras.src.utils.file_utils", "File"),
+    ("keras.src.utils.file_utils", "copy"),
+    ("keras.src.utils.file_utils", "remove"),
+    ("keras.src.models.model", "Model._flatten_layers"),
+    ("keras.src.callbacks.backup_and_restore", "BackupAndRestore._save_model"),
+)
+
+# private attributes of instances, set in __init__ (checked on a fresh instance by the test)
+BACKUP_ATTRIBUTES = ("_weights_path", "_training_metadata_path", "_prev_weights_path",
+                     "_prev_training_metadata_path", "_current_epoch", "_last_batch_seen")
+OPTIMIZER_ATTRIBUTES = ("_learning_rate", "_trainable_variables")
+MODEL_ATTRIBUTES = ("_jit_compile", "_initial_epoch")
+EVALUATE_CACHED_KEYWORD = "_use_cached_eval_dataset"   # fit -> evaluate: reuse the val iterator
+
+
+def _resolve(module, path):
+    value = importlib.import_module(module)
+    for part in path.split("."):
+        value = getattr(value, part)
+    return value
+
+
+def check():
+    """Names in ``REQUIRED`` that this Keras lacks (empty when all is well)."""
+    missing = []
+    for module, path in REQUIRED:
+        try:
+            _resolve(module, path)
+        except (ImportError, AttributeError):
+            missing.append("%s.%s" % (module, path))
+    return missing
+
+
+def _version(module):
+    return tuple(int(p) for p in module.__version__.split(".")[:2] if p.isdigit())
+
+
+_warned = False
+
+
+def warn_if_untested():
+    """Warn once if Keras or TensorFlow is outside the versions MaTEx was tested with."""
+    global _warned
+    if _warned:
+        return
+    _warned = True
+    import keras
+    import tensorflow as tf
+
+    for name, module, (low, high) in (("Keras", keras, TESTED_KERAS),
+                                      ("TensorFlow", tf, TESTED_TENSORFLOW)):
+        if not low <= _version(module) <= high:
+            warnings.warn(
+                "MaTEx was tested with %s %d.%d-%d.%d, this is %s: distributed training may "
+                "break where MaTEx patches %s internals (run tests/test_compat.py)"
+                % (name, low[0], low[1], high[0], high[1], module.__version__, name),
+                RuntimeWarning, stacklevel=2)
+
+
+# ---- the classes MaTEx patches ------------------------------------------------------------
+
+def trainer_class():
+    """Keras's backend-independent ``Trainer`` (compile, get_metrics_result)."""
+    return _resolve("keras.src.trainers.trainer", "Trainer")
+
+
+def tf_trainer_class():
+    """Keras's TensorFlow ``Trainer`` (fit, evaluate, predict, train_step)."""
+    return _resolve("keras.src.backend.tensorflow.trainer", "TensorFlowTrainer")
+
+
+def base_optimizer_class():
+    return _resolve("keras.src.optimizers.base_optimizer", "BaseOptimizer")
+
+
+def saving_api():
+    """The module whose ``save_model``/``load_model`` every public alias points to."""
+    return importlib.import_module("keras.src.saving.saving_api")
+
+
+def saving_namespaces():
+    """Public modules re-exporting ``save_model``/``load_model`` (keras and tf.keras)."""
+    import keras
+
+    namespaces = [keras.saving, keras.models]
+    for name in ("keras._tf_keras.keras.saving", "keras._tf_keras.keras.models"):
+        try:
+            namespaces.append(importlib.import_module(name))
+        except ImportError:
+            pass
+    return namespaces
+
+
+# ---- private helpers and attributes ---------------------------------------------------------
+
+def train_validation_split(arrays, validation_split):
+    """Keras's own split of array inputs into training and validation parts."""
+    split = _resolve("keras.src.trainers.data_adapters.array_slicing", "train_validation_split")
+    return split(arrays, validation_split=validation_split)
+
+
+def file_utils():
+    """Keras's file helpers (local and remote paths alike)."""
+    return importlib.import_module("keras.src.utils.file_utils")
+
+
+def flatten_layers(model):
+    """Every layer inside ``model``, nested ones included."""
+    return model._flatten_layers()
+
+
+def set_initial_epoch(model, epoch):
+    """The epoch ``fit`` resumes at (what ``BackupAndRestore`` sets)."""
+    model._initial_epoch = epoch
+
+
+def initial_epoch(model):
+    return model._initial_epoch
+
+
+def backup_paths(callback):
+    """A ``BackupAndRestore``'s file paths: weights, metadata and their previous versions."""
+    return {"weights": callback._weights_path, "meta": callback._training_metadata_path,
+            "prev_weights": callback._prev_weights_path,
+            "prev_meta": callback._prev_training_metadata_path}
+
+
+def backup_position(callback):
+    """(epoch, batch) a ``BackupAndRestore`` records in its metadata."""
+    return callback._current_epoch, callback._last_batch_seen
+
+
+def disable_backup_writes(callback):
+    """Make a ``BackupAndRestore`` write nothing (it still restores)."""
+    callback._save_model = lambda *a, **k: None
+    callback.on_train_end = lambda logs=None: None
+
+
+def learning_rate_object(optimizer):
+    """The optimizer's learning rate as given: a variable or a ``LearningRateSchedule``."""
+    return getattr(optimizer, "_learning_rate", None)
+
+
+def optimizer_trainable_variables(optimizer):
+    """The variables a built optimizer tracks."""
+    return optimizer._trainable_variables
+
+
+def jit_compile(model):
+    return model._jit_compile
+
+
+def set_jit_compile(model, value):
+    model._jit_compile = value
+
+
+def make_function(model, step):
+    """Keras's wrapper turning a one-batch ``step`` into ``fit``'s train function."""
+    return model._make_function(step)

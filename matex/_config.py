@@ -1,0 +1,92 @@
+"""Every ``MATEX_*`` setting read from the environment, in one place.
+
+Each function reads the variable when called (a launcher or test may set it
+after import) and turns a bad value into a ``ValueError`` naming the variable.
+Nothing here imports MPI or TensorFlow.
+"""
+
+import os
+
+# rank/size variables of the launchers MaTEx knows (Open MPI, PMI/Hydra, MVAPICH, PMIx, Slurm)
+_RANK_VARIABLES = ("OMPI_COMM_WORLD_RANK", "PMI_RANK", "PMIX_RANK", "SLURM_PROCID")
+_SIZE_VARIABLES = ("OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "MV2_COMM_WORLD_SIZE")
+
+
+def _get(name: str, default: str = "") -> str:
+    return os.environ.get(name, default)
+
+
+def _number(name: str, default: float, kind=float, minimum=None):
+    text = _get(name).strip()
+    if not text:
+        return default
+    try:
+        value = kind(text)
+    except ValueError:
+        raise ValueError("%s must be a %s, not %r" % (
+            name, "whole number" if kind is int else "number", text)) from None
+    if minimum is not None and value < minimum:
+        raise ValueError("%s must be >= %s, not %s" % (name, minimum, text))
+    return value
+
+
+def launched_rank() -> int:
+    """This process's rank as the launcher's environment says (0 when not launched by one)."""
+    for var in _RANK_VARIABLES:
+        if _get(var).isdigit():
+            return int(_get(var))
+    return 0
+
+
+def launched_size():
+    """Number of ranks the launcher says it started, or None when unknown."""
+    for var in _SIZE_VARIABLES:
+        if _get(var).isdigit():
+            return int(_get(var))
+    return None
+
+
+def ft_requested() -> bool:
+    """Whether the launcher asked for ULFM (``mpiexec --with-ft ulfm``); no MPI needed."""
+    return _get("OMPI_MCA_mpi_ft_enable").lower() in ("1", "true", "yes")
+
+
+def scaling(given=None) -> str:
+    """``fit``'s scaling mode: the argument, else ``MATEX_SCALING``, else "strong"."""
+    value = given or _get("MATEX_SCALING") or "strong"
+    if value not in ("strong", "weak"):
+        raise ValueError("scaling must be 'strong' or 'weak', not %r" % value)
+    return value
+
+
+def checkpoint_dir():
+    """``MATEX_CHECKPOINT_DIR`` (set by ``matexrun --restart``), or None."""
+    return _get("MATEX_CHECKPOINT_DIR") or None
+
+
+def inject_fault_spec() -> str:
+    """``MATEX_INJECT_FAULT``: the planned faults (see ``matex._faults``)."""
+    return _get("MATEX_INJECT_FAULT")
+
+
+def status_dir():
+    """``MATEX_STATUS_DIR``: where a failing rank leaves its status for the launcher."""
+    return _get("MATEX_STATUS_DIR") or None
+
+
+DEFAULT_FUSION_THRESHOLD = 16 * 1024 * 1024
+
+
+def fusion_threshold() -> int:
+    """Gradient bucket size in bytes: ``MATEX_FUSION_THRESHOLD`` or 16 MiB; 0 disables fusion."""
+    return _number("MATEX_FUSION_THRESHOLD", DEFAULT_FUSION_THRESHOLD, int, 0)
+
+
+def start_timeout() -> float:
+    """Seconds every rank has to reach MaTEx's start (``MATEX_START_TIMEOUT``, default 600).
+
+    Starting is collective: a script that imports ``matex.keras`` (or first
+    uses MaTEx) on some ranks only would hang there; after this long it is
+    an error instead.
+    """
+    return _number("MATEX_START_TIMEOUT", 600.0, float, 0.001)

@@ -1,0 +1,45 @@
+"""Optimizers become distributed: at ``compile``, or on their first ``apply`` in a custom loop."""
+
+import functools
+
+from matex import _optimizer
+from matex._keras.calls import bind
+
+
+def compile(original):  # noqa: A001 - the name of the method it wraps
+    @functools.wraps(original)
+    def compile(self, *args, **kwargs):
+        given = bind(original, self, *args, **kwargs).arguments.get("optimizer")
+        # An optimizer the script wrapped itself means the script shards its
+        # own data (explicit use): fit/evaluate/predict then leave data alone.
+        self._matex_explicit = _optimizer.is_distributed(given)
+        result = original(self, *args, **kwargs)
+        if getattr(self, "optimizer", None) is not None:
+            self.optimizer = _optimizer.DistributedOptimizer(self.optimizer)
+        return result
+
+    return compile
+
+
+def optimizer_apply(original):
+    """Any optimizer's first ``apply`` makes it distributed (custom loops, unmodified)."""
+    @functools.wraps(original)
+    def apply(self, grads, trainable_variables=None):
+        if _optimizer.is_distributed(self) or _optimizer.is_reduced_by_wrapper(self):
+            return original(self, grads, trainable_variables)
+        _optimizer.DistributedOptimizer(self)
+        return self.apply(grads, trainable_variables)
+
+    return apply
+
+
+def train_step(original):
+    """``fit``'s step weights gradients by this rank's rows (see ``matex._sharding``)."""
+    @functools.wraps(original)
+    def step(self, data):
+        if not getattr(self, "_matex_weighted", False):
+            return original(self, data)
+        with _optimizer.rows_of_step(self.optimizer, data):
+            return original(self, data)
+
+    return step

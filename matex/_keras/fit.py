@@ -1,0 +1,137 @@
+"""``fit``: the script's batch is the global batch; every rank trains on its slice.
+
+The whole call runs inside the recovery loop (``matex._recovery.run``): after
+a rank failure the survivors restore and re-synchronise the model's state and
+go on from the first step the new rank 0 had not applied, with the rest of
+the epoch re-divided among them.
+"""
+
+import functools
+
+import keras
+import tensorflow as tf
+
+from matex import _compat, _config, _faults, _recovery, _resilience, _runtime, _sharding
+from matex._keras import inputs
+from matex._keras.calls import bind, call
+from matex._keras.metrics import AverageMovingStatistics
+from matex._keras.output import explicit, quiet, rank0_callbacks
+
+
+class _StepBegin(keras.callbacks.Callback):
+    """Per step: snapshot what a redone step must start from (under ULFM); faults at 'begin'."""
+
+    def __init__(self, state):
+        super().__init__()
+        self.state = state
+
+    def on_train_batch_begin(self, batch, logs=None):
+        if self.state is not None:
+            self.state.begin_step()
+        _faults.maybe_fail(int(self.model.optimizer.iterations), "begin")
+
+
+def _merge_histories(histories):
+    merged = histories[-1]
+    merged.epoch = [e for h in histories for e in h.epoch]
+    keys = {k for h in histories for k in h.history}
+    merged.history = {k: [v for h in histories for v in h.history.get(k, [])] for k in keys}
+    return merged
+
+
+_announced = False
+
+
+def _announce(size, ft):
+    global _announced
+    if not _announced and _runtime.rank() == 0 and (ft or size > 1):
+        print(_resilience.describe_mode(), flush=True)
+        _announced = True
+
+
+def fit(original):
+    @functools.wraps(original)
+    def fit(self, *args, scaling=None, **kwargs):
+        if getattr(self, "_matex_explicit", False):
+            return explicit(self, original, args, kwargs)
+        from matex.callbacks import (BroadcastGlobalVariablesCallback,
+                                     LearningRateWarmupCallback, check_learning_rate_settable)
+
+        bound = bind(original, self, *args, **kwargs)
+        a = bound.arguments
+        scaling = _config.scaling(scaling)
+        size = _runtime.size()
+        batch = a["batch_size"] or 32
+        if scaling == "weak":
+            batch *= size
+        x, y, sw = a["x"], a["y"], a["sample_weight"]
+        if (a["validation_split"] and a["validation_data"] is None
+                and _sharding.is_array_input(x)):
+            given = inputs.present(x, y, sw)
+            (x, y, sw), a["validation_data"] = _compat.train_validation_split(
+                given + (None,) * (3 - len(given)), a["validation_split"])
+            a["validation_split"] = 0.0
+        shuffle = bool(a["shuffle"]) and inputs.shuffles_itself(x)
+        train = inputs.TrainInput(x, y, sw, batch, shuffle, inputs.shared_seed() if shuffle else 0)
+        validation = a["validation_data"]
+        vbatch = a["validation_batch_size"] or batch
+        a["validation_batch_size"] = None
+        callbacks = list(a["callbacks"] or [])
+        if scaling == "weak" and size > 1:
+            check_learning_rate_settable(self.optimizer, "fit(scaling='weak')")
+            # ramps from the script's rate (never an already scaled one) and
+            # puts it back when fit ends: repeated fits do not compound
+            callbacks.append(LearningRateWarmupCallback(warmup_epochs=1, multiplier=size,
+                                                        restore_on_train_end=True))
+        if _config.checkpoint_dir():
+            from matex._keras.checkpoint import AtomicBackupAndRestore
+
+            callbacks.append(AtomicBackupAndRestore(_config.checkpoint_dir()))
+        ft = _resilience.mode() == "ulfm"
+        state = _recovery.model_state(self, track_steps=ft)
+        step_begin = _StepBegin(state if ft else None)
+        _announce(size, ft)
+        verbose, epochs = a["verbose"], a["epochs"]
+        first_iteration = int(self.optimizer.iterations) if self.optimizer is not None else 0
+        start_epoch = a["initial_epoch"]
+        position = {"epoch": start_epoch, "step": 0}
+        histories = []
+        self._matex_weighted = True
+
+        def body():
+            while position["epoch"] < epochs:
+                epoch, step = position["epoch"], position["step"]
+                a["x"], a["y"], a["sample_weight"], a["batch_size"] = train.at(epoch, step)
+                if isinstance(a["x"], (tf.data.Dataset, keras.utils.PyDataset)):
+                    # shuffled by MaTEx (the same on every rank), or the dataset's
+                    # own business: Keras would shuffle PyDataset batches with each
+                    # rank's own `random`
+                    a["shuffle"] = False
+                if validation is not None:
+                    a["validation_data"] = inputs.validation_input(validation, vbatch)
+                a["initial_epoch"] = epoch
+                a["epochs"] = epoch + 1 if step else epochs
+                a["verbose"] = quiet(verbose)
+                a["callbacks"] = rank0_callbacks(
+                    [BroadcastGlobalVariablesCallback(0), step_begin, AverageMovingStatistics()]
+                    + callbacks)
+                histories.append(call(original, bound))
+                position["epoch"], position["step"] = a["epochs"], 0
+
+        def resume_point(loss):
+            if train.steps is None:
+                raise RuntimeError("cannot resume training after a rank failure: the number "
+                                   "of steps per epoch of fit's input is unknown")
+            # the optimizer's step counter came from the new rank 0 with its state
+            done = int(self.optimizer.iterations) - first_iteration
+            position["epoch"] = start_epoch + done // train.steps
+            position["step"] = done % train.steps
+            if _runtime.rank() == 0:
+                print("matex: lost rank(s) %s; %d ranks continue from epoch %d step %d "
+                      "(recovered in %.3f s)" % (loss.lost, loss.new_size, position["epoch"] + 1,
+                                                 position["step"], loss.seconds), flush=True)
+
+        _recovery.run(body, [state], on_recovered=resume_point, callbacks=callbacks)
+        return _merge_histories(histories) if histories else self.history
+
+    return fit

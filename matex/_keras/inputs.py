@@ -1,0 +1,90 @@
+"""``fit``/``evaluate`` inputs cut into this rank's share (policy: ``matex._sharding``).
+
+Arrays and ``PyDataset`` batches are shuffled here with permutations from a
+seed shared by all ranks (Keras then gets ``shuffle=False``); ``tf.data``
+datasets and generators are global batches every rank produces and slices.
+"""
+
+import inspect
+
+import keras
+import numpy as np
+import tensorflow as tf
+
+from matex import _runtime, _sharding
+
+
+def shared_seed():
+    """A shuffling seed drawn from NumPy's global generator: rank 0's, on every rank.
+
+    Every rank draws (generators that agree keep agreeing); rank 0's value
+    is used everywhere, so a script seeded per rank still shuffles one way.
+    A seeded script shuffles reproducibly; an unseeded one differently every
+    run (transparent mode seeds NumPy from fresh entropy, see _transparent).
+    """
+    mine = int(np.random.randint(2 ** 31 - 1))
+    return _runtime.control().bcast(mine, root=0)
+
+
+def shuffles_itself(x):
+    """Whether MaTEx, not Keras, shuffles ``fit``'s input ``x`` when ``shuffle=True``."""
+    return _sharding.is_array_input(x) or isinstance(x, keras.utils.PyDataset)
+
+
+def present(*parts):
+    return tuple(p for p in parts if p is not None)
+
+
+def shard_input(x, y, sample_weight, batch_size, shuffle, seed, epoch=0):
+    """(x, y, sample_weight, batch_size) to pass to Keras for this rank."""
+    if x is None:
+        return x, y, sample_weight, batch_size
+    if isinstance(x, tf.data.Dataset):
+        return _sharding.shard(x), y, sample_weight, None
+    if isinstance(x, keras.utils.PyDataset):
+        if getattr(x, _sharding.SHARDED_ATTR, False):
+            return x, y, sample_weight, None
+        return _sharding.shard_pydataset(x, shuffle, seed, epoch), y, sample_weight, None
+    if inspect.isgenerator(x) or (hasattr(x, "__next__") and hasattr(x, "__iter__")):
+        return _sharding.shard_generator(x), y, sample_weight, None
+    if _sharding.is_array_input(x):
+        shards = _sharding.ArrayShards(present(x, y, sample_weight), batch_size or 32, shuffle,
+                                       seed)
+        return shards.dataset(), None, None, None
+    return x, y, sample_weight, batch_size
+
+
+class TrainInput:
+    """``fit``'s training input, re-creatable for the current ranks from any step."""
+
+    def __init__(self, x, y, sample_weight, batch, shuffle, seed):
+        self.raw = (x, y, sample_weight, batch, shuffle, seed)
+        self.shards = None
+        self.steps = None
+        if _sharding.is_array_input(x):
+            self.shards = _sharding.ArrayShards(present(x, y, sample_weight), batch, shuffle,
+                                                seed)
+            self.steps = self.shards.steps
+        elif isinstance(x, tf.data.Dataset) and int(x.cardinality()) > 0:
+            self.steps = int(x.cardinality())
+
+    def at(self, epoch, step):
+        """(x, y, sample_weight, batch_size) for Keras, starting at (epoch, step)."""
+        x, y, sw, batch, shuffle, seed = self.raw
+        if self.shards is not None:
+            return self.shards.dataset(epoch, step), None, None, None
+        if step and self.steps:
+            x = x.skip(step)
+        elif step:
+            raise RuntimeError(
+                "cannot resume training after a rank failure: fit's input is not re-iterable "
+                "from a given step (use arrays or a tf.data dataset of known length)")
+        return shard_input(x, y, sw, batch, shuffle, seed, epoch)
+
+
+def validation_input(validation, batch):
+    """``fit``'s ``validation_data``, cut into this rank's share."""
+    if isinstance(validation, (tuple, list)) and _sharding.is_array_input(validation[0]):
+        vx, vy, vsw = (tuple(validation) + (None, None))[:3]
+        return shard_input(vx, vy, vsw, batch, False, 0)[0]
+    return shard_input(validation, None, None, batch, False, 0)[0]

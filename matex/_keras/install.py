@@ -1,0 +1,52 @@
+"""The patch table: what ``import matex.keras`` / ``python -m matex`` change in Keras."""
+
+import threading
+
+from matex import _compat, _runtime
+from matex._keras import checkpoint, compile, fit, inference, metrics, output
+from matex._keras.calls import patch
+
+_lock = threading.Lock()
+_installed = False
+
+
+def install():
+    """Patch Keras so that every script using it trains distributed (idempotent)."""
+    global _installed
+    with _lock:
+        if _installed:
+            return
+        import keras
+
+        from matex import _optimizer, _resilience, _transparent
+
+        _compat.warn_if_untested()
+        _runtime.init()
+        _transparent.seed_script_rngs()   # once; python -m matex did it before the script
+        if _resilience.mode() == "ulfm":
+            _resilience.install_excepthook()
+        _optimizer._patch_keras_trainer()
+        trainer, tf_trainer = _compat.trainer_class(), _compat.tf_trainer_class()
+        patch(trainer, "compile", compile.compile)
+        patch(trainer, "get_metrics_result", metrics.get_metrics_result)
+        patch(tf_trainer, "fit", fit.fit)
+        patch(tf_trainer, "evaluate", inference.evaluate)
+        patch(tf_trainer, "predict", inference.predict)
+        patch(tf_trainer, "train_step", compile.train_step)
+        patch(_compat.base_optimizer_class(), "apply", compile.optimizer_apply)
+        patch(keras.Model, "save_weights", output.rank0_write)
+        patch(keras.Model, "load_weights", output.load_weights)
+        backup = keras.callbacks.BackupAndRestore
+        patch(backup, "on_train_begin", lambda original: checkpoint.restore_on_train_begin)
+        patch(backup, "_save_model", output.rank0_write)   # whoever is rank 0 now writes
+        patch(backup, "on_train_end", output.rank0_write)  # ... and deletes the backup
+        saving = _compat.saving_api()
+        original_save, original_load = saving.save_model, saving.load_model
+        patch(saving, "save_model", output.rank0_write)
+        patch(saving, "load_model", output.load_model)
+        for namespace in _compat.saving_namespaces():
+            if getattr(namespace, "save_model", None) is original_save:
+                namespace.save_model = saving.save_model
+            if getattr(namespace, "load_model", None) is original_load:
+                namespace.load_model = saving.load_model
+        _installed = True

@@ -1,0 +1,170 @@
+"""The one recovery loop: run work, and after a rank failure put state right and run it again.
+
+    run(body, states, on_recovered=None, callbacks=())
+
+``body()`` is called until it returns. When it raises a rank failure under
+ULFM, the survivors recover the communicator (``_resilience.recover``), then
+every state object, in order:
+
+1. ``restore()``: undoes this rank's uncommitted work (a step whose update
+   it never applied);
+2. ``sync()``: takes the new rank 0's values (collective);
+
+then a digest of every state's ``arrays()`` is compared across survivors (a
+mismatch is an error on every rank), listeners and callbacks defining
+``on_rank_loss`` are told, ``on_recovered(info)`` lets the caller re-plan
+(re-divide the remaining work, print), and ``body`` runs again. ``body`` must
+derive where to start from the state (e.g. the optimizer's step counter), so
+a redone call continues where the survivors agree the work stands. Without
+ULFM a rank failure is raised as ``matex.errors.RankFailure`` (saying how
+to launch with fault tolerance); any other error propagates as it is.
+
+``fit``, ``evaluate``/``predict`` and ``run_resilient`` (custom loops) all go
+through it (Horovod's elastic ``State``/``run`` and torchft's ``Manager`` are
+the prior art for this shape).
+"""
+
+import time
+
+import numpy as np
+
+from matex import _resilience
+from matex.errors import RankFailure
+
+_COPY_BELOW_BYTES = 64 << 10
+
+
+def _snapshot(variables):
+    """Values to restore ``variables`` to later, taken cheaply.
+
+    Small variables are copied. Large ones are read as tensors that share the
+    variable's buffer: TensorFlow copies a variable's buffer before updating it
+    while such a read is held (copy on write), so a large variable the step
+    does not change (a frozen layer's weights) costs no copy at all.
+    """
+    import tensorflow as tf
+
+    return [v.numpy() if int(np.prod(v.shape)) * v.value.dtype.size < _COPY_BELOW_BYTES
+            else tf.convert_to_tensor(v) for v in variables]
+
+
+class State:
+    """Something the recovery loop keeps consistent across a rank failure."""
+
+    def restore(self):
+        """Undo this rank's uncommitted work (local)."""
+
+    def sync(self):
+        """Take the new rank 0's values (collective)."""
+
+    def arrays(self):
+        """NumPy arrays that must be bitwise equal on every rank after ``sync``."""
+        return []
+
+
+class VariablesState(State):
+    """Variables committed by an optimizer step: all-or-nothing, counted by ``counter``.
+
+    ``variables()`` returns the variables to synchronise (a callable, since a
+    model's optimizer builds its variables late); ``undo()`` returns those a
+    step may change before its update (BatchNorm statistics, counters):
+    ``begin_step()`` snapshots them, and ``restore()`` puts them back when the
+    step's update was not applied on this rank (the counter did not move).
+    """
+
+    def __init__(self, variables, counter, undo=lambda: ()):
+        self.variables, self.counter, self.undo = variables, counter, undo
+        self._at, self._saved = None, []
+
+    def begin_step(self):
+        self._at = int(self.counter())
+        self._saved = _snapshot(self.undo())
+
+    def restore(self):
+        if self._at is not None and int(self.counter()) == self._at:
+            for v, value in zip(self.undo(), self._saved):
+                v.assign(value)
+        self._at = None
+
+    def sync(self):
+        from matex import _collectives
+
+        _collectives.broadcast_variables(list(self.variables()), 0)
+
+    def arrays(self):
+        return [v.numpy() for v in self.variables()]
+
+
+def model_state(model, track_steps=True):
+    """The state of a Keras model: all its variables and its optimizer's (once built).
+
+    With ``track_steps``, ``begin_step`` snapshots the non-trainable variables
+    (a redone step must start from the values they had before it).
+    """
+    def variables():
+        optimizer = getattr(model, "optimizer", None)
+        extra = list(optimizer.variables) if optimizer is not None and optimizer.built else []
+        return list(model.variables) + extra
+
+    def counter():
+        optimizer = getattr(model, "optimizer", None)
+        return int(optimizer.iterations) if optimizer is not None else 0
+
+    undo = (lambda: model.non_trainable_variables) if track_steps else (lambda: ())
+    return VariablesState(variables, counter, undo)
+
+
+def run(body, states, on_recovered=None, callbacks=()):
+    """``body()``, run again on the survivors after each rank failure (see the module doc)."""
+    while True:
+        try:
+            return body()
+        except Exception as exc:  # noqa: BLE001 - classified right below
+            if not _resilience.is_failure(exc):
+                raise
+            if _resilience.mode() != "ulfm":
+                raise RankFailure(
+                    "matex: a rank failed and this job runs without fault tolerance; "
+                    "launch with `matexrun --ft` (ULFM) to continue on the survivors, or "
+                    "`matexrun --restart N` to restart from checkpoints") from exc
+        info = _resilience.recover()
+        started = time.time()
+        for state in states:
+            state.restore()
+        for state in states:
+            state.sync()
+        _resilience.check_replicas([a for state in states for a in state.arrays()])
+        if on_recovered is not None:
+            on_recovered(info)
+        info.resync_seconds = time.time() - started
+        _resilience.notify(info, callbacks)
+
+
+def run_resilient(step, num_steps, variables, optimizer, undo_on_redo=()):
+    """Run a custom training loop that survives rank failures (under ULFM).
+
+    Calls ``step(i)`` for every step ``i`` not yet committed, up to
+    ``num_steps``. After a rank failure the survivors recover, take every
+    variable in ``variables`` (model and optimizer state) from the new rank 0,
+    check that replicas agree, and go on from the first step the new rank 0 had
+    not applied. Requirements on ``step``: it updates through a
+    ``DistributedOptimizer`` (whose update is all-or-nothing and advances
+    ``optimizer.iterations``, the commit counter), and derives its data from
+    ``i``, ``matex.rank()`` and ``matex.size()`` when called, so a redone step
+    is re-divided among the survivors. ``undo_on_redo``: variables a step
+    changes before its update (e.g. counters, BatchNorm statistics), restored
+    when that step has to be redone. Without ULFM a failure is raised.
+
+    Returns the number of recoveries.
+    """
+    variables, undo = list(variables), list(undo_on_redo)
+    state = VariablesState(lambda: variables, lambda: optimizer.iterations, lambda: undo)
+    recoveries = []
+
+    def body():
+        while int(optimizer.iterations) < num_steps:
+            state.begin_step()
+            step(int(optimizer.iterations))
+
+    run(body, [state], on_recovered=recoveries.append)
+    return len(recoveries)

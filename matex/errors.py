@@ -1,0 +1,57 @@
+"""What MaTEx raises, and how to tell a lost rank from a programming error.
+
+Importing this module imports neither MPI nor TensorFlow, so classifying an
+error is cheap. A failed collective reaches Python as a TensorFlow error
+whose payload carries the MPI error class (the C++ side never aborts);
+``mpi_error_class`` reads it back, and ``is_rank_failure`` says whether the
+error means a peer died (``MPI_ERR_PROC_FAILED``) or the communicator was
+revoked because one did (``MPI_ERR_REVOKED``).
+"""
+
+__all__ = ["MatexError", "RankFailure", "MismatchError", "mpi_error_class", "is_rank_failure"]
+
+_PAYLOAD_KEYS = (b"matex.mpi_error_class", "matex.mpi_error_class")
+
+
+class MatexError(RuntimeError):
+    """Base class of MaTEx's own errors."""
+
+
+class RankFailure(MatexError):
+    """A rank was lost and the job cannot (or may not) recover from it here."""
+
+    def __init__(self, message, lost=()):
+        super().__init__(message)
+        self.lost = list(lost)
+
+
+class MismatchError(MatexError):
+    """Ranks disagree: replicas that must be identical differ, or ranks did different work."""
+
+
+def mpi_error_class(error):
+    """The MPI error class carried by ``error`` (a MaTEx op error or ``MPI.Exception``), or None."""
+    payloads = getattr(error, "experimental_payloads", None) or {}
+    for key, value in payloads.items():
+        if key in _PAYLOAD_KEYS:
+            return int(value)
+    get_class = getattr(error, "Get_error_class", None)
+    if callable(get_class):
+        return get_class()
+    return None
+
+
+def _failure_classes():
+    from mpi4py import MPI
+
+    return {c for c in (getattr(MPI, "ERR_PROC_FAILED", None),
+                        getattr(MPI, "ERR_PROC_FAILED_PENDING", None),
+                        getattr(MPI, "ERR_REVOKED", None)) if c is not None}
+
+
+def is_rank_failure(error) -> bool:
+    """Whether ``error`` reports a failed peer or a revoked communicator."""
+    if isinstance(error, RankFailure):
+        return True
+    error_class = mpi_error_class(error)
+    return error_class is not None and error_class in _failure_classes()

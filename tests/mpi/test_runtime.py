@@ -1,0 +1,30 @@
+"""The communicator state: control traffic apart from data, replaced communicators freed."""
+
+from mpi4py import MPI
+
+import matex
+from matex import _runtime
+
+
+def test_control_communicator_is_a_separate_duplicate_of_the_data_one():
+    data, control = matex.comm(), _runtime.control()
+    assert MPI.Comm.Compare(data, control) == MPI.CONGRUENT   # same ranks, own context
+    assert control.allgather(matex.rank()) == list(range(matex.size()))
+
+
+def test_replacing_the_communicator_frees_the_ones_it_replaces():
+    before = (_runtime._comm, _runtime._control, _runtime._local)
+    try:
+        _runtime._set_comm(MPI.COMM_WORLD.Dup())        # MaTEx's own: freed when replaced
+        mine = (_runtime._comm, _runtime._control, _runtime._local)
+        assert all(c == MPI.COMM_NULL for c in before)
+        script_comm = MPI.COMM_WORLD.Dup()
+        _runtime._set_comm(script_comm, owned=False)   # the script's: never freed by MaTEx
+        assert all(c == MPI.COMM_NULL for c in mine)
+        _runtime._set_comm(MPI.COMM_WORLD.Dup())
+        assert script_comm != MPI.COMM_NULL and script_comm.allreduce(1) == matex.size()
+        script_comm.Free()
+        assert float(matex.allreduce(1.0, "sum")) == matex.size()   # ops follow the swap
+    finally:
+        if _runtime._comm is None or _runtime._comm == MPI.COMM_NULL:
+            _runtime._set_comm(MPI.COMM_WORLD.Dup())

@@ -1,0 +1,49 @@
+"""The one place MaTEx touches Keras/TensorFlow internals: all of it still there?
+
+A Keras upgrade that moves a private name MaTEx relies on fails here, with the
+name, instead of somewhere inside training.
+"""
+
+import keras
+import numpy as np
+import tensorflow as tf
+
+from matex import _compat
+
+
+def test_every_private_name_matex_relies_on_exists():
+    assert _compat.check() == []
+
+
+def test_private_attributes_exist_on_fresh_instances(tmp_path):
+    backup = keras.callbacks.BackupAndRestore(str(tmp_path))
+    for name in _compat.BACKUP_ATTRIBUTES:
+        assert hasattr(backup, name), name
+    optimizer = keras.optimizers.Adam()
+    optimizer.build([keras.Variable([1.0])])
+    for name in _compat.OPTIMIZER_ATTRIBUTES:
+        assert hasattr(optimizer, name), name
+    model = keras.Sequential([keras.Input((2,)), keras.layers.Dense(1)])
+    model.compile(optimizer="sgd", loss="mse")
+    model.fit(np.zeros((2, 2), "float32"), np.ones((2, 1), "float32"), verbose=0)
+    for name in _compat.MODEL_ATTRIBUTES:
+        assert hasattr(model, name), name
+    assert model.layers[0] in _compat.flatten_layers(model)
+
+
+def test_fit_still_hands_evaluate_the_keyword_matex_drops_on_a_redo():
+    import inspect
+
+    source = inspect.getsource(_compat.tf_trainer_class().fit)
+    assert _compat.EVALUATE_CACHED_KEYWORD in source
+
+
+def test_installed_versions_are_the_tested_ones():
+    # Not a pin of the install (setup.py allows a range): this says which
+    # versions the suite ran with, so a run on others is visibly untested.
+    version = tuple(int(p) for p in keras.__version__.split(".")[:2])
+    low, high = _compat.TESTED_KERAS
+    assert low <= version <= high, keras.__version__
+    version = tuple(int(p) for p in tf.__version__.split(".")[:2])
+    low, high = _compat.TESTED_TENSORFLOW
+    assert low <= version <= high, tf.__version__
