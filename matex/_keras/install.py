@@ -3,7 +3,7 @@
 import threading
 
 from matex import _compat, _runtime
-from matex._keras import checkpoint, compile, fit, inference, metrics, output
+from matex._keras import checkpoint, fit, inference, metrics, optimizers, output
 from matex._keras.calls import patch
 
 _lock = threading.Lock()
@@ -27,13 +27,13 @@ def install():
             _resilience.install_excepthook()
         _optimizer._patch_keras_trainer()
         trainer, tf_trainer = _compat.trainer_class(), _compat.tf_trainer_class()
-        patch(trainer, "compile", compile.compile)
+        patch(trainer, "compile", optimizers.compile_wrapper)
         patch(trainer, "get_metrics_result", metrics.get_metrics_result)
         patch(tf_trainer, "fit", fit.fit)
         patch(tf_trainer, "evaluate", inference.evaluate)
         patch(tf_trainer, "predict", inference.predict)
-        patch(tf_trainer, "train_step", compile.train_step)
-        patch(_compat.base_optimizer_class(), "apply", compile.optimizer_apply)
+        patch(tf_trainer, "train_step", optimizers.train_step_wrapper)
+        patch(_compat.base_optimizer_class(), "apply", optimizers.apply_wrapper)
         patch(keras.Model, "save_weights", output.rank0_write)
         patch(keras.Model, "load_weights", output.load_weights)
         backup = keras.callbacks.BackupAndRestore

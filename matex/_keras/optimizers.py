@@ -6,9 +6,10 @@ from matex import _optimizer
 from matex._keras.calls import bind
 
 
-def compile(original):  # noqa: A001 - the name of the method it wraps
+def compile_wrapper(original):
+    """``compile`` wraps the optimizer in ``DistributedOptimizer``."""
     @functools.wraps(original)
-    def compile(self, *args, **kwargs):
+    def compile_(self, *args, **kwargs):
         given = bind(original, self, *args, **kwargs).arguments.get("optimizer")
         # An optimizer the script wrapped itself means the script shards its
         # own data (explicit use): fit/evaluate/predict then leave data alone.
@@ -18,10 +19,10 @@ def compile(original):  # noqa: A001 - the name of the method it wraps
             self.optimizer = _optimizer.DistributedOptimizer(self.optimizer)
         return result
 
-    return compile
+    return compile_
 
 
-def optimizer_apply(original):
+def apply_wrapper(original):
     """Any optimizer's first ``apply`` makes it distributed (custom loops, unmodified)."""
     @functools.wraps(original)
     def apply(self, grads, trainable_variables=None):
@@ -33,7 +34,7 @@ def optimizer_apply(original):
     return apply
 
 
-def train_step(original):
+def train_step_wrapper(original):
     """``fit``'s step weights gradients by this rank's rows (see ``matex._sharding``)."""
     @functools.wraps(original)
     def step(self, data):
