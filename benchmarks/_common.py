@@ -45,21 +45,21 @@ def parse_args(description, workers, repeats):
 
 def launch_env():
     """Environment for the phases: Open MPI's run-as-root variables, quiet TensorFlow."""
-    from matex import launch
+    from matex import launcher
 
-    env = launch.launch_env()
+    env = launcher.launch_env()
     env.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
     return env
 
 
 def run_phase(script, worker, nranks, args=(), mpi_args=(), timeout=1800):
     """Run ``script --worker worker args`` on ``nranks`` ranks; return rank 0's result dict."""
-    from matex import launch
+    from matex import launcher
 
     # mpi4py's runner aborts the whole job on an uncaught exception. Not
     # ``python -m matex``: it would make the Keras baselines distributed too.
     program = [sys.executable, "-m", "mpi4py", os.path.abspath(script), "--worker", worker]
-    cmd = launch.mpiexec_command(nranks, program + list(args), mpi_args=mpi_args)
+    cmd = launcher.mpiexec_command(nranks, program + list(args), mpi_args=mpi_args)
     try:
         proc = subprocess.run(cmd, env=launch_env(), capture_output=True, text=True,
                               timeout=timeout)

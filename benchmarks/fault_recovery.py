@@ -95,16 +95,16 @@ def _worker(args):
 
 
 def _run(phase, quick):
-    from matex import launch
+    from matex import launcher
 
     env = _common.launch_env()
-    mpi_args = launch.ft_mpi_args() if phase != "plain" else []
+    mpi_args = launcher.ft_mpi_args() if phase != "plain" else []
     if phase == "fault":
         env["MATEX_INJECT_FAULT"] = "rank=%d,step=%d,kind=kill" % (FAULT_RANK, 7 if quick else 40)
         mpi_args = ["-x", "MATEX_INJECT_FAULT"] + mpi_args
     program = [sys.executable, "-m", "matex", os.path.abspath(__file__), "--worker", phase]
-    cmd = launch.mpiexec_command(NRANKS, program + (["--quick"] if quick else []),
-                                 mpi_args=mpi_args)
+    cmd = launcher.mpiexec_command(NRANKS, program + (["--quick"] if quick else []),
+                                   mpi_args=mpi_args)
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=1800)
     lines = [l[len(_common.RESULT_MARK):] for l in proc.stdout.splitlines()
              if l.startswith(_common.RESULT_MARK)]

@@ -7,7 +7,7 @@ import sys
 import xml.etree.ElementTree as ET
 from pathlib import Path
 
-from matex import launch
+from matex import launcher as launch
 
 ROOT = Path(__file__).resolve().parent.parent
 

@@ -84,3 +84,25 @@ def test_matexrun_rejects_a_missing_script():
     proc = subprocess.run([matexrun, "-n", "2", "/no/such/script.py"], capture_output=True,
                           text=True, timeout=60)
     assert proc.returncode == 2 and "no such script: /no/such/script.py" in proc.stderr
+
+
+def test_the_launcher_package_reexports_its_public_functions():
+    import matex.launcher as launcher
+    from matex.launcher import cli, hosts, mpiexec, supervise
+
+    for name in launcher.__all__:
+        assert getattr(launcher, name) is getattr(
+            next(m for m in (cli, hosts, mpiexec, supervise) if hasattr(m, name)), name)
+    assert launcher.main is cli.main and launcher.parse_hosts("a:2") == [("a", 2)]
+    proc = subprocess.run([sys.executable, "-c", "import matex.launch"], capture_output=True,
+                          text=True, timeout=60)
+    assert proc.returncode != 0 and "No module named 'matex.launch'" in proc.stderr
+
+
+def test_python_m_matex_launcher_is_matexrun(tmp_path):
+    proc = subprocess.run([sys.executable, "-m", "matex.launcher", "--dry-run", "--ft", "-n",
+                           "2", _script(tmp_path), "0"], capture_output=True, text=True,
+                          timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    command = proc.stderr.strip().splitlines()[-1]
+    assert "--with-ft ulfm" in command and command.endswith("%s 0" % _script(tmp_path))

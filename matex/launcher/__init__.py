@@ -1,0 +1,43 @@
+"""The ``matexrun`` launcher (``python -m matex.launcher``), one concern per module.
+
+* ``cli``: arguments and ``main``, the launch plan;
+* ``mpiexec``: which mpiexec, its MPI flavour, its command line and
+  environment, ULFM's flags;
+* ``hosts``: ``-H`` host lists, hostfiles, Slurm allocations, their mpiexec
+  arguments;
+* ``supervise``: the job under ``--ft`` (counting failed ranks) and
+  ``--restart``.
+"""
+
+from matex.launcher.cli import main
+from matex.launcher.hosts import (FORWARDED_PREFIXES, HostError, SlurmAllocation,
+                                  cluster_mpi_args, expand_counts, expand_hostlist,
+                                  format_hostfile, forwarded_env, parse_hosts, read_hostfile,
+                                  slurm_allocation, total_slots)
+from matex.launcher.mpiexec import (DEFAULT_HEARTBEAT, find_mpiexec, ft_mpi_args, launch_env,
+                                    mpi_flavor, mpiexec_command)
+from matex.launcher.supervise import run_fault_tolerant, run_with_restarts
+
+__all__ = [
+    "DEFAULT_HEARTBEAT",
+    "FORWARDED_PREFIXES",
+    "HostError",
+    "SlurmAllocation",
+    "cluster_mpi_args",
+    "expand_counts",
+    "expand_hostlist",
+    "find_mpiexec",
+    "format_hostfile",
+    "forwarded_env",
+    "ft_mpi_args",
+    "launch_env",
+    "main",
+    "mpi_flavor",
+    "mpiexec_command",
+    "parse_hosts",
+    "read_hostfile",
+    "run_fault_tolerant",
+    "run_with_restarts",
+    "slurm_allocation",
+    "total_slots",
+]

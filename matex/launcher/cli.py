@@ -1,0 +1,224 @@
+"""``matexrun``: launch a script on N ranks with the right ``mpiexec`` and flags.
+
+    matexrun -n 4 train.py --epochs 3
+    matexrun -v -n 2 train.py        # print the mpiexec command it runs
+
+It picks the ``mpiexec`` of the MPI that mpi4py uses, adds
+``--oversubscribe`` when there are more ranks than cores, and sets Open MPI's
+run-as-root variables when running as root. The script runs under
+``python -m matex`` so an unmodified TensorFlow/Keras script is distributed.
+
+Beyond one machine (see docs/hpc.md):
+
+    matexrun -H node1:2,node2:2 train.py          # 4 ranks, 2 per host
+    matexrun --hostfile hosts.txt -n 8 train.py
+    matexrun train.py                             # inside a Slurm allocation:
+                                                  # hosts and -n from SLURM_*
+    matexrun --dry-run ...                        # print the command, run nothing
+
+In a Slurm allocation (``SLURM_JOB_ID`` and ``SLURM_JOB_NODELIST`` set) and
+without ``-H``/``--hostfile``, the allocation's nodes and tasks per node
+become a hostfile and ``-n`` defaults to ``SLURM_NTASKS``; ``--no-slurm``
+turns that off. ``mpiexec`` (not ``srun``) starts the ranks, as ULFM fault
+tolerance needs Open MPI's own runtime.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import sys
+import tempfile
+from collections.abc import Sequence
+
+from matex.launcher.hosts import (HostError, cluster_mpi_args, format_hostfile, parse_hosts,
+                                  read_hostfile, slurm_allocation, total_slots)
+from matex.launcher.mpiexec import (DEFAULT_HEARTBEAT, find_mpiexec, ft_mpi_args, launch_env,
+                                    mpi_flavor, mpiexec_command)
+from matex.launcher.supervise import run_fault_tolerant, run_with_restarts
+
+
+def _add_cluster_options(parser):
+    group = parser.add_argument_group(
+        "beyond one machine", "hosts from -H, --hostfile or the Slurm allocation (docs/hpc.md)")
+    group.add_argument("-H", "--host", dest="hosts", action="append", default=[],
+                       metavar="HOST[:SLOTS],...",
+                       help="hosts and ranks per host, e.g. node1:2,node2:2 (repeatable; "
+                            "-n defaults to the sum of slots, a host without slots counts 1)")
+    group.add_argument("--hostfile", metavar="FILE",
+                       help="hostfile ('HOST slots=N' or 'HOST:N' lines); -n defaults to "
+                            "the sum of slots")
+    group.add_argument("--slurm", dest="slurm", action="store_true", default=None,
+                       help="use the Slurm allocation (default: when SLURM_JOB_ID and "
+                            "SLURM_JOB_NODELIST are set and no -H/--hostfile is given)")
+    group.add_argument("--no-slurm", dest="slurm", action="store_false",
+                       help="ignore SLURM_* variables")
+    group.add_argument("--launch-agent", metavar="CMD",
+                       help="command that replaces ssh to start MPI's daemons on other "
+                            "hosts (Open MPI: plm_ssh_agent; MPICH: -launcher-exec)")
+    group.add_argument("--tcp-if", metavar="IF|CIDR[,...]",
+                       help="network interfaces or subnets MPI's TCP traffic must use, "
+                            "e.g. ib0 or 10.1.0.0/16")
+    group.add_argument("--dry-run", action="store_true",
+                       help="print the mpiexec command (and generated hostfile), run nothing")
+
+
+def _plan_cluster(opts, parser, env, mpiexec):
+    """Hosts of the run: ``(nranks, mpi_args, hostfile_text, notes)``.
+
+    ``hostfile_text`` is set when a hostfile must be written (Slurm); its
+    path is then the ``--hostfile``/``-f`` argument that follows in
+    ``mpi_args`` as the placeholder ``{hostfile}``.
+    """
+    hosts = []
+    for spec in opts.hosts:
+        try:
+            hosts += parse_hosts(spec)
+        except HostError as exc:
+            parser.error(str(exc))
+    listed = None
+    if opts.hostfile:
+        if not os.path.isfile(opts.hostfile):
+            parser.error("no such hostfile: %s" % opts.hostfile)
+        try:
+            listed = read_hostfile(opts.hostfile)
+        except HostError as exc:
+            parser.error(str(exc))
+    notes, cpus_per_task, hostfile_text, hostfile = [], 1, None, opts.hostfile
+    slurm = None
+    if opts.slurm is not False:
+        try:
+            slurm = slurm_allocation(env)
+        except (HostError, ValueError) as exc:
+            parser.error("cannot read the Slurm allocation: %s" % exc)
+        if opts.slurm and slurm is None:
+            parser.error("--slurm: not in a Slurm allocation (SLURM_JOB_ID and "
+                         "SLURM_JOB_NODELIST are not set)")
+        if slurm is not None and (hosts or listed) and not opts.slurm:
+            notes.append("Slurm job %s ignored: hosts given with -H/--hostfile" % slurm.job_id)
+            slurm = None
+        elif slurm is not None and (hosts or listed):
+            parser.error("--slurm cannot be combined with -H/--hostfile")
+    if slurm is not None:
+        hosts = []
+        hostfile = "{hostfile}"
+        hostfile_text = format_hostfile(slurm.hosts, mpi_flavor(mpiexec)[0])
+        cpus_per_task = slurm.cpus_per_task
+        notes.append("Slurm job %s: %d node(s), %d task(s), %d cpu(s) per task" % (
+            slurm.job_id, len(slurm.hosts), slurm.ntasks, slurm.cpus_per_task))
+        steps = env.get("SLURM_STEP_NUM_TASKS", "")
+        if env.get("SLURM_STEP_ID") and steps.isdigit() and int(steps) > 1:
+            notes.append("warning: matexrun runs in a Slurm step of %s tasks, so %s mpiexec "
+                         "jobs start; run matexrun once, in the batch script (not under srun)"
+                         % (steps, steps))
+    cluster = bool(hosts or listed or slurm)
+    if opts.nranks is None:
+        if slurm is not None:
+            opts.nranks = slurm.ntasks
+        elif hosts or listed:
+            opts.nranks = total_slots(hosts + (listed or []))
+        else:
+            opts.nranks = 1
+    if not cluster and not (opts.launch_agent or opts.tcp_if):
+        return opts.nranks, [], None, notes
+    args = cluster_mpi_args(mpiexec, hosts=hosts, hostfile=hostfile,
+                            launch_agent=opts.launch_agent, tcp_if=opts.tcp_if,
+                            cpus_per_task=cpus_per_task, env=env if cluster else None)
+    if cpus_per_task > 1:
+        env.setdefault("OMP_NUM_THREADS", str(cpus_per_task))
+        if mpi_flavor(mpiexec)[0] != "mpich" and "OMP_NUM_THREADS" not in args:
+            args += ["-x", "OMP_NUM_THREADS"]
+    return opts.nranks, args, hostfile_text, notes
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Parse ``matexrun``'s arguments, start mpiexec, return the job's exit status."""
+    if "mpi4py.MPI" not in sys.modules:
+        # The launcher only looks at the MPI library (to find its mpiexec):
+        # initialising it would make this process an MPI singleton, slow to
+        # start and, under --ft (no MPI_Finalize), leaving a segment behind.
+        import mpi4py
+
+        mpi4py.rc.initialize = False
+    parser = argparse.ArgumentParser(
+        prog="matexrun", description="Run a TensorFlow/Keras script on several MPI ranks.")
+    parser.add_argument("-n", "--np", dest="nranks", type=int, default=None,
+                        help="number of ranks (default 1, or the slots of the hosts given, "
+                             "or SLURM_NTASKS in a Slurm allocation)")
+    parser.add_argument("-v", "--verbose", action="store_true",
+                        help="print the mpiexec command before running it")
+    parser.add_argument("--all-ranks", action="store_true",
+                        help="show every rank's stdout, prefixed by its rank")
+    parser.add_argument("--ft", action="store_true",
+                        help="fault tolerance: survive rank failures (ULFM shrink-and-continue)")
+    parser.add_argument("--ft-heartbeat", type=float, default=DEFAULT_HEARTBEAT,
+                        metavar="SECONDS",
+                        help="failure detector heartbeat period with --ft (default %(default)s s)")
+    parser.add_argument("--restart", type=int, default=0, metavar="N",
+                        help="without --ft: after a failure, restart from the last checkpoint "
+                             "up to N times, each time on one rank fewer")
+    parser.add_argument("--checkpoint-dir", default="matex-checkpoint", metavar="DIR",
+                        help="where --restart keeps its checkpoints (default ./matex-checkpoint)")
+    parser.add_argument("--inject-fault", metavar="SPEC",
+                        help='inject faults, e.g. "rank=2,step=30,kind=kill" (see matex._faults)')
+    parser.add_argument("--mpi-arg", action="append", default=[], metavar="ARG",
+                        help="extra argument for mpiexec (repeatable)")
+    _add_cluster_options(parser)
+    parser.add_argument("script", help="the Python script to run")
+    parser.add_argument("args", nargs=argparse.REMAINDER, help="the script's arguments")
+    opts = parser.parse_args(argv)
+    if opts.nranks is not None and opts.nranks < 1:
+        parser.error("-n must be at least 1")
+    if not os.path.isfile(opts.script):
+        parser.error("no such script: %s" % opts.script)
+    env = launch_env()
+    mpiexec = find_mpiexec()
+    nranks, cluster_args, hostfile_text, notes = _plan_cluster(opts, parser, env, mpiexec)
+    mpi_args = list(opts.mpi_arg)
+    if opts.ft:
+        if opts.ft_heartbeat <= 0:
+            parser.error("--ft-heartbeat must be positive")
+        mpi_args = ft_mpi_args(opts.ft_heartbeat) + mpi_args
+    if opts.inject_fault:
+        from matex import _faults
+
+        _faults.parse(opts.inject_fault)   # reject a bad spec before launching
+        env["MATEX_INJECT_FAULT"] = opts.inject_fault
+        if "MATEX_INJECT_FAULT" not in cluster_args:
+            mpi_args = ["-x", "MATEX_INJECT_FAULT"] + mpi_args
+    if opts.restart:
+        if opts.ft:
+            parser.error("--restart is the fallback without ULFM; do not combine it with --ft")
+        env["MATEX_CHECKPOINT_DIR"] = os.path.abspath(opts.checkpoint_dir)
+        if "MATEX_CHECKPOINT_DIR" not in cluster_args:
+            mpi_args = ["-x", "MATEX_CHECKPOINT_DIR"] + mpi_args
+    mpi_args = cluster_args + mpi_args
+    runner = [sys.executable, "-m", "matex"] + (["--all-ranks"] if opts.all_ranks else [])
+    tmpdir = None
+    try:
+        if hostfile_text is not None:
+            tmpdir = tempfile.mkdtemp(prefix="matexrun-")
+            path = os.path.join(tmpdir, "hostfile")
+            with open(path, "w") as out:
+                out.write(hostfile_text)
+            mpi_args = [path if a == "{hostfile}" else a for a in mpi_args]
+        cmd = mpiexec_command(nranks, runner + [opts.script] + opts.args, mpi_args=mpi_args,
+                              mpiexec=mpiexec, oversubscribe=False if cluster_args else None)
+        for note in notes:
+            if opts.verbose or opts.dry_run or note.startswith("warning:"):
+                print("matexrun: " + note, file=sys.stderr)
+        if opts.verbose or opts.dry_run:
+            if hostfile_text is not None:
+                print("matexrun: hostfile %s:" % path, file=sys.stderr)
+                for line in hostfile_text.splitlines():
+                    print("matexrun:   " + line, file=sys.stderr)
+            print("matexrun: " + " ".join(cmd), file=sys.stderr, flush=True)
+        if opts.dry_run:
+            return 0
+        if opts.ft:
+            return run_fault_tolerant(cmd, env)
+        return run_with_restarts(cmd, nranks, env, opts.restart)
+    finally:
+        if tmpdir:
+            shutil.rmtree(tmpdir, ignore_errors=True)
