@@ -1,9 +1,16 @@
-"""`python -m matex` and `matexrun`: scripts behave as when run alone; failures end the job."""
+"""`python -m matex` and `matexrun`: scripts behave as when run alone; failures end the job.
+
+Also the launcher package's layout and ``--ft``'s count of failed ranks (status
+directory, not stderr).
+"""
 
 import os
+import signal
 import subprocess
 import sys
 import textwrap
+
+import pytest
 
 import mpitools
 
@@ -106,3 +113,78 @@ def test_python_m_matex_launcher_is_matexrun(tmp_path):
     assert proc.returncode == 0, proc.stderr
     command = proc.stderr.strip().splitlines()[-1]
     assert "--with-ft ulfm" in command and command.endswith("%s 0" % _script(tmp_path))
+    assert "-x MATEX_STATUS_DIR" in command
+
+
+def test_a_failing_rank_reports_itself_in_the_status_directory(tmp_path):
+    from matex.launcher import supervise
+
+    text = "Traceback (most recent call last):\n  ...\nValueError: boom\n\n"
+    assert supervise.report_failure(3, text, env={}) is None     # not under matexrun --ft
+    with supervise.status_directory(str(tmp_path)) as directory:
+        env = {supervise.STATUS_DIR_VAR: directory}
+        path = supervise.report_failure(3, text, env=env)
+        supervise.report_failure(0, "", env=env)
+        (tmp_path / directory / "notes").write_text("not a report")
+        assert path == os.path.join(directory, "failed.3")
+        assert supervise.failed_ranks(directory) == {3: "ValueError: boom", 0: "failed"}
+    assert os.listdir(tmp_path) == []                               # removed afterwards
+
+
+def test_status_dir_options(tmp_path):
+    matexrun = os.path.join(os.path.dirname(sys.executable), "matexrun")
+    script = _script(tmp_path)
+
+    def dry(*args):
+        return subprocess.run([matexrun, "--dry-run"] + list(args) + [script], text=True,
+                              capture_output=True, timeout=60, cwd=str(tmp_path))
+
+    proc = dry("--status-dir", str(tmp_path / "nowhere"), "--ft", "-n", "2")
+    assert proc.returncode == 2 and "not a writable directory" in proc.stderr
+    proc = dry("--status-dir", str(tmp_path), "-n", "2")
+    assert proc.returncode == 2 and "--status-dir goes with --ft" in proc.stderr
+    # other hosts: the status directory must reach them (-x) and be shared (cwd)
+    proc = dry("--ft", "-H", "a:1,b:1")
+    assert proc.returncode == 0, proc.stderr
+    assert "-x MATEX_STATUS_DIR" in proc.stderr
+    assert os.listdir(tmp_path) == ["script.py"]                    # nothing left by a dry run
+
+
+FAIL_SCRIPT = textwrap.dedent("""
+    import os
+    import sys
+    from mpi4py import MPI
+    rank = MPI.COMM_WORLD.Get_rank()
+    print("status dir", os.environ.get("MATEX_STATUS_DIR"), flush=True)
+    if rank in map(int, sys.argv[1].split(",")):
+        if "--quiet" in sys.argv:    # this rank's stderr goes nowhere
+            os.dup2(os.open(os.devnull, os.O_WRONLY), 2)
+            sys.stderr = open(os.devnull, "w")
+        raise ValueError("boom on rank %d" % rank)
+""")
+
+
+@pytest.mark.parametrize("failing,code", [("0,1", 1), ("1", 0)], ids=["all", "one"])
+def test_matexrun_ft_counts_failed_ranks_whatever_they_print(tmp_path, failing, code):
+    # Failed ranks are counted from their reports in the status directory, not
+    # from stderr: here the failing ranks' stderr goes to /dev/null.
+    script = tmp_path / "fail.py"
+    script.write_text(FAIL_SCRIPT)
+    status = tmp_path / "status"
+    status.mkdir()
+    matexrun = os.path.join(os.path.dirname(sys.executable), "matexrun")
+    proc = subprocess.Popen([matexrun, "--ft", "--status-dir", str(status), "-n", "2",
+                             str(script), failing, "--quiet"],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True)
+    try:
+        out, err = proc.communicate(timeout=180)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        out, err = proc.communicate()
+        raise AssertionError("matexrun --ft timed out\n" + err[-3000:])
+    assert "boom" not in err and "failed; the others continue" not in err, err[-3000:]
+    assert proc.returncode == code, err[-3000:]
+    assert ("matexrun: every rank failed (2 of 2)" in err) == (code == 1), err[-3000:]
+    assert "status dir %s%smatexrun-status-" % (status, os.sep) in out, out
+    assert list(status.iterdir()) == []                             # cleaned up

@@ -5,8 +5,8 @@
   environment, ULFM's flags;
 * ``hosts``: ``-H`` host lists, hostfiles, Slurm allocations, their mpiexec
   arguments;
-* ``supervise``: the job under ``--ft`` (counting failed ranks) and
-  ``--restart``.
+* ``supervise``: the job under ``--ft`` (ranks' failure reports in a status
+  directory) and ``--restart``.
 """
 
 from matex.launcher.cli import main
@@ -16,16 +16,19 @@ from matex.launcher.hosts import (FORWARDED_PREFIXES, HostError, SlurmAllocation
                                   slurm_allocation, total_slots)
 from matex.launcher.mpiexec import (DEFAULT_HEARTBEAT, find_mpiexec, ft_mpi_args, launch_env,
                                     mpi_flavor, mpiexec_command)
-from matex.launcher.supervise import run_fault_tolerant, run_with_restarts
+from matex.launcher.supervise import (STATUS_DIR_VAR, failed_ranks, report_failure,
+                                      run_fault_tolerant, run_with_restarts, status_directory)
 
 __all__ = [
     "DEFAULT_HEARTBEAT",
     "FORWARDED_PREFIXES",
+    "STATUS_DIR_VAR",
     "HostError",
     "SlurmAllocation",
     "cluster_mpi_args",
     "expand_counts",
     "expand_hostlist",
+    "failed_ranks",
     "find_mpiexec",
     "format_hostfile",
     "forwarded_env",
@@ -36,8 +39,10 @@ __all__ = [
     "mpiexec_command",
     "parse_hosts",
     "read_hostfile",
+    "report_failure",
     "run_fault_tolerant",
     "run_with_restarts",
     "slurm_allocation",
+    "status_directory",
     "total_slots",
 ]

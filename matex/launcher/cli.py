@@ -36,7 +36,7 @@ from matex.launcher.hosts import (HostError, cluster_mpi_args, format_hostfile, 
                                   read_hostfile, slurm_allocation, total_slots)
 from matex.launcher.mpiexec import (DEFAULT_HEARTBEAT, find_mpiexec, ft_mpi_args, launch_env,
                                     mpi_flavor, mpiexec_command)
-from matex.launcher.supervise import run_fault_tolerant, run_with_restarts
+from matex.launcher.supervise import STATUS_DIR_VAR, run_fault_tolerant, run_with_restarts
 
 
 def _add_cluster_options(parser):
@@ -132,6 +132,18 @@ def _plan_cluster(opts, parser, env, mpiexec):
     return opts.nranks, args, hostfile_text, notes
 
 
+def _status_parent(opts, parser, cluster_args):
+    """Where ``--ft``'s status directory goes: ``--status-dir``; on one machine the
+    temporary directory (None); on several hosts the current directory, which they
+    are expected to share (as the venv and the script)."""
+    parent = opts.status_dir or (os.getcwd() if cluster_args else None)
+    if parent is not None and not (os.path.isdir(parent) and os.access(parent, os.W_OK)):
+        parser.error("--ft reports rank failures in a directory of %s, which is not a "
+                     "writable directory; choose one every host sees with --status-dir"
+                     % parent)
+    return parent
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Parse ``matexrun``'s arguments, start mpiexec, return the job's exit status."""
     if "mpi4py.MPI" not in sys.modules:
@@ -155,6 +167,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--ft-heartbeat", type=float, default=DEFAULT_HEARTBEAT,
                         metavar="SECONDS",
                         help="failure detector heartbeat period with --ft (default %(default)s s)")
+    parser.add_argument("--status-dir", metavar="DIR",
+                        help="with --ft: where the ranks report failures (a temporary "
+                             "directory is made in DIR and removed); default: the system's "
+                             "temporary directory on one machine, the current directory "
+                             "with other hosts (it must be shared with them)")
     parser.add_argument("--restart", type=int, default=0, metavar="N",
                         help="without --ft: after a failure, restart from the last checkpoint "
                              "up to N times, each time on one rank fewer")
@@ -176,10 +193,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     mpiexec = find_mpiexec()
     nranks, cluster_args, hostfile_text, notes = _plan_cluster(opts, parser, env, mpiexec)
     mpi_args = list(opts.mpi_arg)
+    status_parent = None
     if opts.ft:
         if opts.ft_heartbeat <= 0:
             parser.error("--ft-heartbeat must be positive")
-        mpi_args = ft_mpi_args(opts.ft_heartbeat) + mpi_args
+        status_parent = _status_parent(opts, parser, cluster_args)
+        mpi_args = ft_mpi_args(opts.ft_heartbeat) + ["-x", STATUS_DIR_VAR] + mpi_args
+    elif opts.status_dir:
+        parser.error("--status-dir goes with --ft")
     if opts.inject_fault:
         from matex import _faults
 
@@ -217,7 +238,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         if opts.dry_run:
             return 0
         if opts.ft:
-            return run_fault_tolerant(cmd, env)
+            return run_fault_tolerant(cmd, env, nranks, status_parent)
         return run_with_restarts(cmd, nranks, env, opts.restart)
     finally:
         if tmpdir:

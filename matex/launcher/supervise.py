@@ -1,33 +1,84 @@
-"""Supervising the job: rank failures under ``--ft``, restarts under ``--restart``."""
+"""Supervising the job: rank failures under ``--ft``, restarts under ``--restart``.
+
+Under ULFM, ``mpiexec`` exits 0 even when every rank died. So that ``matexrun
+--ft`` can tell, a rank that fails leaves a file in a status directory before
+it dies (``report_failure``, called by ``_resilience.die_like_a_crash``): the
+launcher creates the directory, names it to every rank in
+``MATEX_STATUS_DIR``, counts the files once ``mpiexec`` has ended, and removes
+it. Nothing depends on what the ranks print, or on where their stderr goes.
+"""
 
 from __future__ import annotations
 
-import re
+import contextlib
+import os
+import shutil
 import subprocess
 import sys
-from collections.abc import Sequence
+import tempfile
+from collections.abc import Iterator, Mapping, Sequence
+
+STATUS_DIR_VAR = "MATEX_STATUS_DIR"
+_FAILED = "failed."      # failed.<world rank>: that rank failed
 
 
-def run_fault_tolerant(cmd: Sequence[str], env: dict[str, str]) -> int:
-    """Run ``cmd`` under ULFM, passing its stderr through; exit 1 if every rank failed.
+@contextlib.contextmanager
+def status_directory(parent: str | None = None) -> Iterator[str]:
+    """A new, empty status directory in ``parent`` (default: the temporary directory).
 
-    Under ULFM ``mpiexec`` exits 0 even when every rank died; each failing rank
-    says so (``_resilience.FAILED_LINE``), and those lines are counted here.
+    Removed, with whatever the ranks wrote, when the block ends.
     """
-    from matex import _resilience
+    directory = tempfile.mkdtemp(prefix="matexrun-status-", dir=parent)
+    try:
+        yield directory
+    finally:
+        shutil.rmtree(directory, ignore_errors=True)
 
-    pattern = re.compile(_resilience.FAILED_LINE.replace("%d", r"(\d+)").split(";")[0])
-    failed, size = set(), 0
-    proc = subprocess.Popen(cmd, env=env, stderr=subprocess.PIPE)
-    for line in proc.stderr:
-        sys.stderr.buffer.write(line)
-        sys.stderr.flush()
-        for rank, total in pattern.findall(line.decode(errors="replace")):
-            failed.add(int(rank))
-            size = int(total)
-    code = proc.wait()
-    if code == 0 and size and len(failed) >= size:
-        print("matexrun: every rank failed (%d of %d); the job failed" % (len(failed), size),
+
+def report_failure(rank: int, text: str, env: Mapping[str, str] | None = None) -> str | None:
+    """Record in ``matexrun --ft``'s status directory that world rank ``rank`` failed.
+
+    Writes ``failed.<rank>`` holding the last line of ``text`` (a traceback's:
+    the exception), under a temporary name first, so that the launcher never
+    reads half a file. Returns its path; None when not run by ``matexrun --ft``.
+    """
+    directory = (os.environ if env is None else env).get(STATUS_DIR_VAR)
+    if not directory:
+        return None
+    lines = [line for line in text.splitlines() if line.strip()]
+    path = os.path.join(directory, "%s%d" % (_FAILED, rank))
+    partial = os.path.join(directory, ".%s%d.%d" % (_FAILED, rank, os.getpid()))
+    with open(partial, "w") as out:
+        out.write((lines[-1] if lines else "failed") + "\n")
+    os.replace(partial, path)
+    return path
+
+
+def failed_ranks(directory: str | os.PathLike) -> dict[int, str]:
+    """World rank -> last line of its traceback, for each rank that reported failing."""
+    failed = {}
+    for name in os.listdir(directory):
+        rank = name[len(_FAILED):]
+        if name.startswith(_FAILED) and rank.isdigit():
+            with open(os.path.join(directory, name), errors="replace") as report:
+                failed[int(rank)] = report.read().strip()
+    return failed
+
+
+def run_fault_tolerant(cmd: Sequence[str], env: Mapping[str, str], nranks: int,
+                       status_parent: str | None = None) -> int:
+    """Run ``cmd`` (an mpiexec under ULFM) on ``nranks`` ranks; 1 if every rank failed.
+
+    The ranks find their status directory, created in ``status_parent``, in
+    ``MATEX_STATUS_DIR`` (``cmd`` must forward it to other hosts, and there
+    ``status_parent`` must be a directory they share). Otherwise mpiexec's
+    exit status.
+    """
+    with status_directory(status_parent) as directory:
+        code = subprocess.call(list(cmd), env={**env, STATUS_DIR_VAR: directory})
+        failed = failed_ranks(directory)
+    if code == 0 and len(failed) >= nranks:
+        print("matexrun: every rank failed (%d of %d); the job failed" % (len(failed), nranks),
               file=sys.stderr, flush=True)
         return 1
     return code
