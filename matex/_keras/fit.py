@@ -12,23 +12,65 @@ import keras
 import tensorflow as tf
 
 from matex import _compat, _config, _faults, _recovery, _resilience, _runtime, _sharding
-from matex._keras import inputs
+from matex._keras import inputs, metrics
 from matex._keras.calls import bind, call
 from matex._keras.metrics import AverageMovingStatistics
 from matex._keras.output import explicit, quiet, rank0_callbacks
+from matex.errors import MismatchError
 
 
 class _StepBegin(keras.callbacks.Callback):
-    """Per step: snapshot what a redone step must start from (under ULFM); faults at 'begin'."""
+    """Per step: snapshot what a redone step must start from (under ULFM); faults at 'begin'.
+
+    Also counts the steps this rank finished in the current epoch, to name a
+    rank whose data ran out early (``_check_equal_steps``).
+    """
 
     def __init__(self, state):
         super().__init__()
         self.state = state
+        self.epoch, self.steps = 0, 0
+
+    def on_epoch_begin(self, epoch, logs=None):
+        self.epoch, self.steps = epoch, 0
 
     def on_train_batch_begin(self, batch, logs=None):
         if self.state is not None:
             self.state.begin_step()
         _faults.maybe_fail(int(self.model.optimizer.iterations), "begin")
+
+    def on_train_batch_end(self, batch, logs=None):
+        self.steps += 1
+
+
+_DISAGREE = "ranks disagree on the collective to run"   # the agreement check's error
+
+
+def _check_equal_steps(error, step_begin):
+    """Turn a collective mismatch caused by unequal step counts into a clear error.
+
+    When one rank's data runs out before another's (a ``.filter`` after
+    sharding, say), its end-of-epoch reduction of the metrics meets the other
+    ranks' next gradient allreduce: the agreement check fails on every rank,
+    so every rank gets here and can say whether its data had ended. Returns
+    the error to raise.
+    """
+    if _DISAGREE not in str(error):
+        return error
+    ended = metrics.summing_after_data
+    metrics.summing_after_data = False
+    everyone = _runtime.control().allgather((ended, step_begin.steps))
+    if len({e for e, _ in everyone}) == 1:
+        return error   # a mismatch of another kind
+    return MismatchError(
+        "matex: ranks ran different numbers of training steps in epoch %d: %s. The training "
+        "data gives the ranks different numbers of batches, so their collectives no longer "
+        "match. A .filter() (or any transformation that drops or adds batches) applied after "
+        "matex.shard() or to a matex.readers dataset does this: filter samples before "
+        "batching and sharding, so that every rank keeps one slice of every global batch."
+        % (step_begin.epoch + 1, "; ".join(
+            "rank %d %s after %d steps" % (r, "had no batch left" if e else "had more", n)
+            for r, (e, n) in enumerate(everyone))))
 
 
 def _merge_histories(histories):
@@ -115,7 +157,13 @@ def fit(original):
                 a["callbacks"] = rank0_callbacks(
                     [BroadcastGlobalVariablesCallback(0), step_begin, AverageMovingStatistics()]
                     + callbacks)
-                histories.append(call(original, bound))
+                try:
+                    histories.append(call(original, bound))
+                except tf.errors.InvalidArgumentError as exc:
+                    clear = _check_equal_steps(exc, step_begin)
+                    if clear is exc:
+                        raise
+                    raise clear from exc
                 position["epoch"], position["step"] = a["epochs"], 0
 
         def resume_point(loss):

@@ -8,6 +8,11 @@ import tensorflow as tf
 from matex import _collectives, _compat, _fusion, _runtime
 
 
+# True while an eager (end-of-loop) reduction of metric states is under way: a
+# rank found there by a collective mismatch ran out of batches before the others
+summing_after_data = False
+
+
 def get_metrics_result(original):
     """Sum every metric's state over ranks around ``result()``, then put the local state back.
 
@@ -20,7 +25,10 @@ def get_metrics_result(original):
         if not variables:
             return original(self)
         local = [tf.identity(tf.convert_to_tensor(v)) for v in variables]
+        global summing_after_data
+        summing_after_data = tf.executing_eagerly()   # fit/evaluate's end, after the last batch
         total = _fusion.allreduce_gradients(local, "sum", threshold=1 << 30)
+        summing_after_data = False
         for v, t in zip(variables, total):
             v.assign(t)
         value = tf.nest.map_structure(tf.identity, original(self))
