@@ -1,4 +1,4 @@
-"""How training data is divided among ranks without changing its meaning.
+"""Batch slicing: each GLOBAL batch cut among the ranks, every row kept.
 
 Policy: the script's batch is the *global* batch. Each global batch of ``b``
 rows is cut into ``size`` contiguous slices, rank ``r`` taking rows
@@ -9,7 +9,8 @@ the remainder (a final global batch smaller than the others, or a batch size
 that does not divide by the number of ranks) is not dropped: gradients are
 weighted by each rank's row count (``_optimizer``), so the update equals the
 single-process update on the global batch. A rank whose slice is empty
-contributes zero.
+contributes zero. (``matex.readers`` divides differently: whole samples per
+rank, remainder dropped; see ``readers/_partition.py``.)
 
 Inputs: NumPy arrays (and lists/dicts of them) are shuffled per epoch with one
 permutation from ``(seed, epoch)`` shared by all ranks, and so is the batch
@@ -18,14 +19,64 @@ and ``PyDataset`` batches are global batches that every rank produces and
 slices (datasets from ``matex.readers`` are already sharded and pass through).
 Any randomness in producing them must agree across ranks: transparent mode
 seeds the script's generators alike on every rank (``_transparent``).
+
+Rank and size are read when a batch is sliced, not when the pipeline is
+built: after the communicator is replaced (``_runtime._set_comm``, e.g. a
+shrink after a rank failure) the same dataset or generator slices for the
+new ranks. In ``tf.data`` this is the ``MatexCommInfo`` op (no Python per
+batch).
+
+"Already sharded" is recorded where it survives transformations: in the
+dataset's ``tf.data.Options`` (see ``mark_sharded``), so ``matex.shard(ds)``
+or a reader's dataset followed by ``.map``/``.prefetch``/``.cache``/
+``.repeat``/``.take``/... is never sliced a second time by ``fit``.
 """
+
+import warnings
 
 import numpy as np
 import tensorflow as tf
 
 from matex import _runtime
 
-SHARDED_ATTR = "_matex_sharded"
+SHARDED_ATTR = "_matex_sharded"     # marks a sharded keras.utils.PyDataset (an object, no options)
+SHARDED_TAG = "matex.sharded"       # marks a sharded tf.data pipeline, in its options
+
+
+def mark_sharded(dataset: tf.data.Dataset) -> tf.data.Dataset:
+    """``dataset`` marked as already holding this rank's share (``fit`` leaves it alone).
+
+    The mark is an entry in ``tf.data.Options.framework_type``: options live in
+    the dataset graph and every transformation (map, filter, batch, cache,
+    prefetch, repeat, take, skip, shuffle, zip, concatenate, with_options, ...)
+    merges its inputs' options, appending to that list, so the mark survives
+    them all and no later ``with_options`` can remove it. (A Python attribute
+    is lost by the first transformation; ``auto_shard_policy`` is overwritten
+    by any later ``with_options`` that sets a policy, and scripts set OFF for
+    their own reasons.) ``auto_shard_policy`` is set to OFF as well, so that
+    ``tf.distribute`` does not shard the share again either. Not seen through:
+    a dataset built inside an ``interleave``/``flat_map`` function.
+    """
+    options = tf.data.Options()
+    options.framework_type = [SHARDED_TAG]
+    options.experimental_distribute.auto_shard_policy = tf.data.experimental.AutoShardPolicy.OFF
+    return dataset.with_options(options)
+
+
+def is_sharded(x) -> bool:
+    """Whether ``x`` already holds this rank's share: ``matex.shard``'s or a reader's output.
+
+    True for a ``tf.data.Dataset`` any of whose inputs was marked by
+    ``mark_sharded`` (whatever transformations followed), and for a
+    ``keras.utils.PyDataset`` from ``shard_pydataset``.
+    """
+    if isinstance(x, tf.data.Dataset):
+        with warnings.catch_warnings():     # graph mode: options as traced, which is enough here
+            warnings.simplefilter("ignore")
+            options = x.options()
+        return SHARDED_TAG in (options.framework_type or ()) or bool(
+            getattr(x, SHARDED_ATTR, False))
+    return bool(getattr(x, SHARDED_ATTR, False))
 
 
 def slice_bounds(rows, rank, size):
@@ -42,6 +93,12 @@ def _rows(structure):
     return leaf.shape[0] if hasattr(leaf, "shape") else len(leaf)
 
 
+def _take_slice(batch):
+    """This rank's rows of one global batch (NumPy or tensors), rank and size read now."""
+    lo, hi = slice_bounds(_rows(batch), _runtime.rank(), _runtime.size())
+    return tf.nest.map_structure(lambda a: a[lo:hi], batch)
+
+
 class ArrayShards:
     """Per-rank batches of in-memory arrays, re-iterable (each pass = next epoch)."""
 
@@ -56,7 +113,6 @@ class ArrayShards:
         self.steps = -(-self.num_rows // self.batch_size)
 
     def _batches(self):
-        rank, size = _runtime.rank(), _runtime.size()
         if self.shuffle:
             order = np.random.default_rng([self.seed, self.epoch]).permutation(self.num_rows)
         else:
@@ -65,8 +121,7 @@ class ArrayShards:
         first, self.first_step = self.first_step, 0
         for start in range(first * self.batch_size, self.num_rows, self.batch_size):
             batch = order[start:start + self.batch_size]
-            lo, hi = slice_bounds(len(batch), rank, size)
-            rows = batch[lo:hi]
+            rows = _take_slice(batch)       # the current ranks, read per batch
             yield tf.nest.map_structure(lambda a: a[rows], self.arrays)
 
     def dataset(self, epoch=0, first_step=0):
@@ -80,41 +135,51 @@ class ArrayShards:
         ds = tf.data.Dataset.from_generator(self._batches, output_signature=spec)
         steps = self.steps - first_step
         ds = ds.apply(tf.data.experimental.assert_cardinality(steps)).prefetch(2)
-        setattr(ds, SHARDED_ATTR, True)
-        return ds
+        return mark_sharded(ds)
 
 
 def _slice_tensors(batch):
-    rank, size = _runtime.rank(), _runtime.size()
+    """This rank's rows of a global batch inside tf.data.
+
+    Rank and size come from the ``MatexCommInfo`` op, evaluated for every
+    batch when the pipeline runs (a traced Python int would keep slicing for
+    the communicator of the day the pipeline was built).
+    """
+    from matex import _collectives
+
+    rank, size = _collectives.comm_info()
     rows = tf.shape(_first_leaf(batch))[0]
     lo, hi = rows * rank // size, rows * (rank + 1) // size
     return tf.nest.map_structure(lambda t: t[lo:hi], batch)
 
 
-def shard(dataset):
+def shard(dataset: tf.data.Dataset) -> tf.data.Dataset:
     """This rank's share of a batched ``tf.data.Dataset`` of global batches.
 
     Every rank must iterate the same dataset in the same order; each keeps its
     contiguous slice of every batch (see the module policy), so all ranks run
-    the same number of steps. Already sharded datasets are returned unchanged.
+    the same number of steps. Datasets that already hold this rank's share
+    (``is_sharded``: an earlier ``shard`` or a ``matex.readers`` dataset,
+    followed by any transformations) are returned unchanged.
     """
-    if getattr(dataset, SHARDED_ATTR, False):
+    if is_sharded(dataset):
         return dataset
     sliced = dataset.map(lambda *batch: _slice_tensors(batch if len(batch) > 1 else batch[0]),
                          num_parallel_calls=tf.data.AUTOTUNE, deterministic=True)
-    setattr(sliced, SHARDED_ATTR, True)
-    return sliced
+    return mark_sharded(sliced)
 
 
 def shard_generator(generator):
-    """Slice each global batch a Python generator yields (every rank runs it)."""
-    rank, size = _runtime.rank(), _runtime.size()
+    """Slice each global batch a Python generator yields (every rank runs it).
+
+    Rank and size are read per batch, so a generator spanning several epochs
+    follows a replaced communicator.
+    """
     for batch in generator:
-        lo, hi = slice_bounds(_rows(batch), rank, size)
-        yield tf.nest.map_structure(lambda a: a[lo:hi], batch)
+        yield _take_slice(batch)
 
 
-def shard_pydataset(pydataset, shuffle=False, seed=0, epoch=0):
+def shard_pydataset(pydataset, shuffle: bool = False, seed: int = 0, epoch: int = 0):
     """A ``keras.utils.PyDataset`` whose batches are this rank's slices.
 
     With ``shuffle`` the batch order is permuted per epoch, the permutation
@@ -156,9 +221,7 @@ def shard_pydataset(pydataset, shuffle=False, seed=0, epoch=0):
             return int(order[index])
 
         def __getitem__(self, index):
-            batch = pydataset[self._index(index)]
-            lo, hi = slice_bounds(_rows(batch), _runtime.rank(), _runtime.size())
-            return tf.nest.map_structure(lambda a: a[lo:hi], batch)
+            return _take_slice(pydataset[self._index(index)])   # ranks read per batch
 
         def on_epoch_begin(self):
             pydataset.on_epoch_begin()

@@ -1,8 +1,8 @@
 """Parallel readers for scientific files (HDF5, CSV, netCDF), sharded over ranks.
 
     from matex.readers import DataSet
-    ds = DataSet("data/*.h5", features="x", labels="y", batch_size=32,
-                 shuffle=True, seed=0, validation_split=0.1)
+    ds = DataSet("data/*.h5", features="x", labels="y", batch_size=64,
+                 shuffle=True, seed=0, validation_split=0.1)   # 64 = the global batch
     model.fit(ds.train, validation_data=ds.validation, epochs=5)
 
 ``ds.train`` and ``ds.validation`` are tf.data.Datasets of ``(x, y)``
@@ -30,12 +30,18 @@ delimiters, not line breaks. Without a C++ compiler, pandas parses the blocks
 
 Policies
 --------
-Batch size: ``batch_size`` is the batch of EACH rank; a step of the whole
-job processes ``batch_size * matex.size()`` samples.
+Batch size: ``batch_size`` is the GLOBAL batch, all ranks together, as in
+Keras ``fit`` under MaTEx: each rank reads ``batch_size // size`` samples
+per step, and a ``batch_size`` the number of ranks does not divide is a
+ReaderError. ``per_rank_batch_size`` gives the batch of EACH rank instead
+(global = that x size); neither means 32 per rank. In the original MaTEx
+API ``batch_size`` was per rank: code written for it must now say
+``per_rank_batch_size=`` (rank 0 prints a one-time note when
+``batch_size`` is given on several ranks).
 
 Remainder: every rank takes the same number of full batches,
-``steps_per_epoch = num_samples // (batch_size * size)``; the rest of the
-epoch's order (fewer than ``batch_size * size`` samples) is dropped. With
+``steps_per_epoch = num_samples // global batch``; the rest of the
+epoch's order (less than one global batch) is dropped. With
 shuffling the order changes each epoch, so different samples are dropped.
 Validation is not shuffled: each rank gets ``n // size`` consecutive
 samples (at most ``size - 1`` dropped) in batches whose last may be short;
@@ -70,7 +76,8 @@ Re-sharding: ``ds.reshard(consumed_steps)``, called on every rank after
 ``matex.comm()`` was replaced by a new communicator, re-divides the samples
 of the current epoch not yet consumed (those of the first
 ``consumed_steps`` steps on every old rank are) among the new ranks, under
-the same remainder policy, and returns the steps of that rest; the next
+the same remainder policy and the same per-rank batch (the global batch
+shrinks with the ranks), and returns the steps of that rest; the next
 iteration of ``ds.train`` (take the property again: the datasets know their
 length, which changed) yields the rest of the epoch, later ones whole
 epochs for the new number of ranks.
@@ -80,8 +87,12 @@ truncated or corrupt files, non-numeric CSV fields, too few samples, files
 whose shapes disagree) raises ``ReaderError`` (a ValueError) on every rank
 with the same message.
 
-Sharded marker: the tf.data.Datasets returned carry ``_matex_sharded =
-True``; MaTEx's user-transparent mode leaves such datasets unsharded.
+Sharded marker: the tf.data.Datasets returned are marked as already
+sharded in their ``tf.data.Options`` (``framework_type`` holds
+``"matex.sharded"``; ``matex._batch_slicing.is_sharded``), a mark that
+survives any later transformation (``.map``, ``.prefetch``, ``.cache``,
+``.repeat``, ``.take``, ``.filter``, ``with_options``, ...): ``fit`` and
+``matex.shard`` never slice them again.
 """
 
 from ._dataset import DataSet

@@ -2,6 +2,7 @@
 
 import glob
 import os
+import sys
 import threading
 from concurrent.futures import ThreadPoolExecutor
 
@@ -9,7 +10,7 @@ import numpy as np
 
 import matex
 
-from . import _sharding
+from . import _partition
 from ._errors import ReaderError, agreed
 from ._pipeline import cpu_count, stream, tf_dataset
 from ._reader import Reader, row_bytes
@@ -22,6 +23,8 @@ _MIN_SLOTS = 8              # fewest units the cache must hold
 _GROUP_BYTES = 1 << 20      # batches go to TensorFlow in groups of about this size
 _MOST_GROUPED = 64
 _SLACK = 8                  # 1/8 of the budget is left for what the allocator holds on to
+_DEFAULT_PER_RANK = 32      # batch of each rank when no batch size is given
+_noted = False              # the one-time note on batch_size's meaning was printed
 
 
 def budget_bytes(value=None):
@@ -89,9 +92,9 @@ def resolve(source, format):
 class DataSet:
     """Samples from HDF5, CSV or netCDF files, sharded over ``matex.comm()``'s ranks.
 
-    ``DataSet(source, features="x", labels="y", format=None, batch_size=32,
+    ``DataSet(source, features="x", labels="y", format=None, batch_size=None,
     shuffle=True, seed=0, validation_split=0.0, memory_budget=None,
-    header=None, delimiter=",")``
+    header=None, delimiter=",", per_rank_batch_size=None)``
 
     - ``source``: a path, a list of paths, a directory or a glob; several
       files are one data set, in sorted (or given) order.
@@ -111,8 +114,18 @@ class DataSet:
     - ``labels``: a field, a list (concatenated as float32) or None for
       unlabeled data (batches are then ``x`` alone). Integer labels are
       int64, others float32 (CSV labels are float32).
-    - ``batch_size``: the batch of EACH rank (as in the original MaTEx);
-      the global batch of a step is ``batch_size * matex.size()``.
+    - ``batch_size``: the GLOBAL batch, all ranks together, as ``batch_size``
+      means in Keras ``fit`` under MaTEx; each rank reads ``batch_size //
+      matex.size()`` samples per step. It must divide by the number of ranks
+      (else a ReaderError naming both numbers). ``per_rank_batch_size``: the
+      batch of EACH rank instead (the global batch is then that times
+      ``matex.size()``). Give at most one; neither means 32 per rank.
+      CHANGED from the original MaTEx API, where ``batch_size`` was per
+      rank: such code now reads 1/size of the batch it meant; write
+      ``per_rank_batch_size=`` to keep the old meaning (rank 0 prints a
+      one-time note when ``batch_size`` is given on several ranks). The
+      attributes ``batch_size`` (global, at the current number of ranks)
+      and ``per_rank_batch_size`` hold both values.
     - ``shuffle``/``seed``: one order per epoch drawn from ``(seed, epoch)``,
       the same on every rank. ``validation_split``: the last fraction of the
       samples (of each class with ``"hdf5-classes"``) is the validation part.
@@ -126,14 +139,13 @@ class DataSet:
     shuffled. Bad input raises ReaderError on every rank.
     """
 
-    def __init__(self, source, features="x", labels="y", format=None, batch_size=32,
+    def __init__(self, source, features="x", labels="y", format=None, batch_size=None,
                  shuffle=True, seed=0, validation_split=0.0, memory_budget=None,
-                 header=None, delimiter=","):
-        if int(batch_size) != batch_size or batch_size < 1:
-            raise ReaderError("batch_size must be a positive integer, got %r" % (batch_size,))
+                 header=None, delimiter=",", per_rank_batch_size=None):
         if not 0.0 <= validation_split < 1.0:
             raise ReaderError("validation_split must be in [0, 1), got %r" % (validation_split,))
-        self.batch_size, self.shuffle, self.seed = int(batch_size), bool(shuffle), int(seed)
+        self.per_rank_batch_size = _per_rank_batch(batch_size, per_rank_batch_size)
+        self.shuffle, self.seed = bool(shuffle), int(seed)
         self.memory_budget = matex.comm().allreduce(agreed(budget_bytes, memory_budget),
                                                     op=_mpi_min())
         self._lock = threading.Lock()
@@ -187,14 +199,15 @@ class DataSet:
     def _setup(self, validation_split, budget):
         """Split off the validation part, check there is enough data, plan the memory."""
         table, size = self._table, matex.size()
-        train, validation = _sharding.split_validation(table.groups, validation_split)
-        self._train_pieces = _sharding.pieces(train, table.unit_starts)
-        self._validation_pieces = _sharding.pieces(validation)
+        train, validation = _partition.split_validation(table.groups, validation_split)
+        self._train_pieces = _partition.pieces(train, table.unit_starts)
+        self._validation_pieces = _partition.pieces(validation)
         self.num_samples = int((train[:, 1] - train[:, 0]).sum())
         self.num_validation_samples = int((validation[:, 1] - validation[:, 0]).sum())
-        if self.num_samples < self.batch_size * size:
-            raise ReaderError("%s: %d training samples are fewer than ranks x batch_size = %d x %d"
-                              % (table.path, self.num_samples, size, self.batch_size))
+        if self.num_samples < self.per_rank_batch_size * size:
+            raise ReaderError("%s: %d training samples are fewer than one global batch, ranks x "
+                              "per-rank batch = %d x %d"
+                              % (table.path, self.num_samples, size, self.per_rank_batch_size))
         if validation_split and self.num_validation_samples < size:
             raise ReaderError("%s: %d validation samples are fewer than the %d ranks"
                               % (table.path, self.num_validation_samples, size))
@@ -207,10 +220,11 @@ class DataSet:
         raw = row_bytes(table.fields)
         out = 4 * int(np.prod(self._x_spec[0])) + (8 * int(np.prod(self._y_spec[0]))
                                                    if self._y_spec else 0)
-        batch = self.batch_size * (raw + out)
+        per_rank = self.per_rank_batch_size
+        batch = per_rank * (raw + out)
         self._group = int(max(1, min(_MOST_GROUPED, min(_GROUP_BYTES, budget // 64) // batch)))
-        in_flight = (self._depth + 2) * 2 * self._group * batch + 2 * self.batch_size * out
-        index = 2 * np.dtype(_sharding.index_dtype(table.num_rows)).itemsize * table.num_rows
+        in_flight = (self._depth + 2) * 2 * self._group * batch + 2 * per_rank * out
+        index = 2 * np.dtype(_partition.index_dtype(table.num_rows)).itemsize * table.num_rows
         scratch = self._threads * table.decode_bytes
         capacity = budget - budget // _SLACK - in_flight - index - scratch
         least = 0
@@ -234,12 +248,12 @@ class DataSet:
             else:
                 units = max(1, self._reader.slots // 2 - 3)
                 self._window = units * self._reader.typical_unit_rows()
-            if self._window < self.batch_size:
+            if self._window < self.per_rank_batch_size:
                 raise ReaderError(
                     "memory budget of %d bytes is too small for %s: the units it can hold "
-                    "give shuffle windows of %d samples, less than batch_size %d"
-                    % (budget, table.path, self._window, self.batch_size))
-            self._group = min(self._group, self._window // self.batch_size)
+                    "give shuffle windows of %d samples, less than the per-rank batch %d"
+                    % (budget, table.path, self._window, self.per_rank_batch_size))
+            self._group = min(self._group, self._window // self.per_rank_batch_size)
 
     def _specs(self):
         """((x sample shape, dtype), (y sample shape, dtype) or None)."""
@@ -287,15 +301,15 @@ class DataSet:
                       self._pool.submit, self._depth)
 
     def _train_plan(self, epoch):
-        order = _sharding.epoch_order(*self._train_pieces, self.seed, epoch, self.shuffle,
+        order = _partition.epoch_order(*self._train_pieces, self.seed, epoch, self.shuffle,
                                       self._reader.by_row)
-        return _sharding.EpochPlan(order, matex.size(), self.batch_size,
+        return _partition.EpochPlan(order, matex.size(), self.per_rank_batch_size,
                                    window=self._window if self.shuffle else None,
                                    key=(self.seed, epoch))
 
     def _validation_plan(self):
-        return _sharding.EpochPlan(_sharding.rows_of(*self._validation_pieces), matex.size(),
-                                   self.batch_size, drop_remainder=False)
+        return _partition.EpochPlan(_partition.rows_of(*self._validation_pieces), matex.size(),
+                                   self.per_rank_batch_size, drop_remainder=False)
 
     def _train_epoch(self):
         with self._lock:
@@ -343,14 +357,23 @@ class DataSet:
         return self._validation_tf[steps]
 
     @property
+    def batch_size(self):
+        """The global batch: ``per_rank_batch_size`` times the current number of ranks.
+
+        After the communicator shrank (see ``reshard``) the per-rank batch is
+        kept, so the global batch shrinks with the ranks.
+        """
+        return self.per_rank_batch_size * matex.size()
+
+    @property
     def steps_per_epoch(self):
         """Training steps (batches) per epoch, the same on every rank."""
-        return self.num_samples // (self.batch_size * matex.size())
+        return self.num_samples // (self.per_rank_batch_size * matex.size())
 
     @property
     def validation_steps(self):
         """Validation batches per pass, the same on every rank (the last may be short)."""
-        return -(-(self.num_validation_samples // matex.size()) // self.batch_size)
+        return -(-(self.num_validation_samples // matex.size()) // self.per_rank_batch_size)
 
     @property
     def epoch(self):
@@ -368,8 +391,8 @@ class DataSet:
         key = (part, matex.rank(), matex.size())
         if key not in self._shards:
             if part == "train":
-                plan = _sharding.EpochPlan(_sharding.rows_of(*self._train_pieces), matex.size(),
-                                           self.batch_size)
+                plan = _partition.EpochPlan(_partition.rows_of(*self._train_pieces), matex.size(),
+                                            self.per_rank_batch_size)
             else:
                 plan = self._validation_plan()
             groups = list(self._batches(plan))
@@ -411,7 +434,8 @@ class DataSet:
         current epoch (counted from its last (re)start). The samples those
         steps read stay consumed; the others (including the ones the old plan
         left out as its remainder) are divided afresh, so none is read twice
-        and at most ``batch_size * matex.size() - 1`` of them are left out.
+        and at most one global batch less one sample are left out. The
+        per-rank batch is kept: the global batch shrinks with the ranks.
         The next iteration of ``train`` (take ``ds.train`` anew) yields the
         rest of the epoch; later ones are whole epochs again. Returns the
         number of steps of that rest.
@@ -430,8 +454,8 @@ class DataSet:
             if not 0 <= steps <= current.steps:
                 raise ReaderError("reshard: consumed_steps=%d but the epoch had %d steps"
                                   % (steps, current.steps))
-            plan = _sharding.EpochPlan(current.remaining(steps), comm.Get_size(),
-                                       self.batch_size)
+            plan = _partition.EpochPlan(current.remaining(steps), comm.Get_size(),
+                                        self.per_rank_batch_size)
             self._current = plan
             self._resume = plan if plan.steps else None
             return plan.steps
@@ -447,6 +471,55 @@ class DataSet:
 
     def __exit__(self, *exc):
         self.close()
+
+
+def _per_rank_batch(batch_size, per_rank_batch_size):
+    """The per-rank batch from DataSet's arguments; a ReaderError on every rank if they are bad.
+
+    Collective: the ranks also check that they agree on it (ranks reading
+    batches of different sizes would run different numbers of steps).
+    """
+    global _noted
+    size, error, per_rank = matex.size(), None, None
+    try:
+        per_rank = _check_batch(batch_size, per_rank_batch_size, size)
+    except ReaderError as exc:
+        error = str(exc)
+    everyone = matex.comm().allgather((error, per_rank))
+    first = next((e for e, _ in everyone if e is not None), None)
+    if first is not None:
+        raise ReaderError(first)
+    if len({p for _, p in everyone}) > 1:
+        raise ReaderError("ranks disagree on the per-rank batch: %s (give every rank the same "
+                          "batch_size)" % [p for _, p in everyone])
+    if batch_size is not None and size > 1 and not _noted and matex.rank() == 0:
+        _noted = True
+        print("matex.readers: DataSet(batch_size=%d) is the GLOBAL batch: %d samples per rank "
+              "on %d ranks. In the original MaTEx API batch_size was per rank; for that "
+              "meaning write per_rank_batch_size=%d." % (batch_size, per_rank, size, batch_size),
+              file=sys.stderr, flush=True)
+    return per_rank
+
+
+def _check_batch(batch_size, per_rank_batch_size, size):
+    """The per-rank batch (no communication); ReaderError on bad arguments."""
+    if batch_size is not None and per_rank_batch_size is not None:
+        raise ReaderError("give batch_size (the global batch) or per_rank_batch_size, not both "
+                          "(got %r and %r)" % (batch_size, per_rank_batch_size))
+    for name, value in (("batch_size", batch_size), ("per_rank_batch_size", per_rank_batch_size)):
+        if value is not None and (isinstance(value, bool) or not isinstance(
+                value, (int, np.integer)) or value < 1):
+            raise ReaderError("%s must be a positive integer, got %r" % (name, value))
+    if per_rank_batch_size is not None:
+        return int(per_rank_batch_size)
+    if batch_size is None:
+        return _DEFAULT_PER_RANK
+    if batch_size % size:
+        raise ReaderError(
+            "batch_size=%d is the GLOBAL batch (all ranks together) and does not divide among "
+            "%d ranks: give a multiple of %d, or per_rank_batch_size= for the batch of each "
+            "rank (what batch_size meant in the original MaTEx API)" % (batch_size, size, size))
+    return int(batch_size) // size
 
 
 def _mpi_min():

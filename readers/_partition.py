@@ -1,4 +1,9 @@
-"""Index math of sharding: epoch orders, each rank's batches, re-division of the rest.
+"""Partition of samples among ranks: epoch orders, each rank's batches, re-division of the rest.
+
+Each rank owns a contiguous segment of the epoch's order, whole samples, and
+every rank gets the same number of full batches; the remainder below one
+global batch is dropped (``EpochPlan``). (``fit``'s own slicing of global
+batches, which keeps every row, is ``matex/_batch_slicing.py``.)
 
 Pure NumPy, no MPI: every rank computes the same arrays from the same
 arguments, which is what keeps ranks in agreement without communication.

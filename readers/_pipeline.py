@@ -85,7 +85,9 @@ def tf_dataset(generator, signature, steps):
 
     ``signature`` describes one batch; the generator yields the same
     structure with a leading axis of batches. The dataset is marked as
-    already sharded, and knows its length (so Keras does too).
+    already sharded (a mark that survives later transformations, see
+    ``matex._batch_slicing.mark_sharded``), and knows its length (so Keras
+    does too).
     """
     import tensorflow as tf
 
@@ -95,5 +97,6 @@ def tf_dataset(generator, signature, steps):
     dataset = dataset.flat_map(
         lambda *group: tf.data.Dataset.from_tensor_slices(group[0] if len(group) == 1 else group))
     dataset = dataset.apply(tf.data.experimental.assert_cardinality(steps)).prefetch(2)
-    dataset._matex_sharded = True
-    return dataset
+    from matex import _batch_slicing
+
+    return _batch_slicing.mark_sharded(dataset)

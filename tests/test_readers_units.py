@@ -6,16 +6,16 @@ from concurrent.futures import ThreadPoolExecutor
 import numpy as np
 import pytest
 
-from matex.readers import _sharding
+from matex.readers import _partition
 from matex.readers._csv import Layout
 from matex.readers._pipeline import stream
 from matex.readers._reader import Reader
 
 
 def plan_for(n, nranks, batch, shuffle=True, epoch=0, units=None, window=None):
-    starts, stops = _sharding.pieces([(0, n)], units)
-    order = _sharding.epoch_order(starts, stops, 7, epoch, shuffle, units is None)
-    return _sharding.EpochPlan(order, nranks, batch, window=window, key=(7, epoch))
+    starts, stops = _partition.pieces([(0, n)], units)
+    order = _partition.epoch_order(starts, stops, 7, epoch, shuffle, units is None)
+    return _partition.EpochPlan(order, nranks, batch, window=window, key=(7, epoch))
 
 
 def rank_rows(plan, rank):
@@ -61,7 +61,7 @@ def test_unit_shuffle_keeps_units_whole_and_windows_local():
 
 
 def test_validation_plan_keeps_short_last_batch():
-    plan = _sharding.EpochPlan(np.arange(103), 4, 8, drop_remainder=False)
+    plan = _partition.EpochPlan(np.arange(103), 4, 8, drop_remainder=False)
     assert plan.share == 25 and plan.steps == 4
     groups = plan.groups(1, 10)
     assert [(len(rows), count) for rows, count in groups] == [(24, 3), (1, 1)]
@@ -77,7 +77,7 @@ def test_remaining_is_redivided_without_loss_or_repeat(n, old, new, batch, done)
     rest = first.remaining(done)
     assert len(np.intersect1d(rest, consumed)) == 0
     assert np.array_equal(np.sort(np.concatenate([consumed, rest])), np.arange(n))
-    second = _sharding.EpochPlan(rest, new, batch)
+    second = _partition.EpochPlan(rest, new, batch)
     after = np.concatenate([second.segment(r) for r in range(new)])
     assert second.steps == len(rest) // (batch * new)
     assert len(np.unique(np.concatenate([consumed, after]))) == len(consumed) + len(after)
@@ -85,7 +85,7 @@ def test_remaining_is_redivided_without_loss_or_repeat(n, old, new, batch, done)
 
 
 def test_split_validation_per_group():
-    train, validation = _sharding.split_validation([(0, 100), (100, 130)], 0.1)
+    train, validation = _partition.split_validation([(0, 100), (100, 130)], 0.1)
     assert train.tolist() == [[0, 90], [100, 127]]
     assert validation.tolist() == [[90, 100], [127, 130]]
 

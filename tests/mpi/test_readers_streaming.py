@@ -90,7 +90,7 @@ class Peak:
 
 
 def one_epoch(source, **options):
-    ds = DataSet(source, batch_size=64, memory_budget=BUDGET, **options)
+    ds = DataSet(source, per_rank_batch_size=64, memory_budget=BUDGET, **options)
     steps = 0
     for group in ds.train:
         steps += 1

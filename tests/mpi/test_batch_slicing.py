@@ -1,0 +1,203 @@
+"""matex._batch_slicing under mpiexec: the "already sharded" mark, and rank/size read at run time.
+
+The mark must survive any tf.data transformation (else ``fit`` slices a
+second time and trains on 1/N of the data per rank), and slicing must follow
+the communicator in use when a batch is produced (else a pipeline built
+before a shrink keeps slicing for the old number of ranks).
+"""
+
+import keras
+import numpy as np
+import pytest
+import tensorflow as tf
+
+import matex
+from matex import _batch_slicing
+from helpers import gather
+from subcomm import SubCommunicator
+
+R, N = matex.rank(), matex.size()
+ROWS, BATCH = 30, 6              # 5 global batches of 6 rows: ids 0..29
+
+
+def global_batches():
+    """Global batches of (x, y): x[:, 0] is the row id."""
+    ids = np.arange(ROWS, dtype=np.float32)
+    x = np.stack([ids, 2 * ids], axis=1)
+    return tf.data.Dataset.from_tensor_slices((x, ids.astype(np.int64))).batch(BATCH)
+
+
+def expected_slices(rank, size):
+    """Ids of the rows ``rank`` of ``size`` takes from each global batch."""
+    out = []
+    for start in range(0, ROWS, BATCH):
+        batch = list(range(start, min(start + BATCH, ROWS)))
+        lo, hi = _batch_slicing.slice_bounds(len(batch), rank, size)
+        out.append(batch[lo:hi])
+    return out
+
+
+def ids_of(dataset):
+    return [[int(v) for v in x[:, 0].numpy()] for x, _ in dataset]
+
+
+def plain_map(x, y):
+    return x * 1.0, y
+
+
+CHAINS = {
+    "map": lambda d: d.map(plain_map),
+    "prefetch": lambda d: d.prefetch(2),
+    "cache": lambda d: d.cache(),
+    "repeat": lambda d: d.repeat(2),
+    "take": lambda d: d.take(3),
+    "filter": lambda d: d.filter(lambda x, y: tf.size(y) >= 0),
+    "map.cache.take.repeat.prefetch": lambda d: d.map(plain_map).cache().take(3).repeat(
+        2).prefetch(1),
+    "unbatch.batch": lambda d: d.unbatch().batch(4),
+    "shuffle.skip": lambda d: d.shuffle(4, seed=1).skip(1),
+    "with_options (DATA policy)": lambda d: d.with_options(data_policy()),
+}
+
+
+def data_policy():
+    options = tf.data.Options()
+    options.experimental_distribute.auto_shard_policy = tf.data.experimental.AutoShardPolicy.DATA
+    return options
+
+
+# ---- the mark ---------------------------------------------------------------------
+
+@pytest.mark.parametrize("chain", sorted(CHAINS))
+def test_mark_survives_transformations(chain):
+    sharded = matex.shard(global_batches())
+    transformed = CHAINS[chain](sharded)
+    assert _batch_slicing.is_sharded(sharded) and _batch_slicing.is_sharded(transformed)
+    assert matex.shard(transformed) is transformed       # fit's entry point: unchanged
+    assert not _batch_slicing.is_sharded(CHAINS[chain](global_batches()))
+
+
+def test_chain_after_shard_is_not_sliced_again():
+    # .map after matex.shard: each rank still gets its whole slice of every global batch
+    pipeline = matex.shard(global_batches()).map(plain_map).prefetch(1)
+    assert ids_of(matex.shard(pipeline)) == expected_slices(R, N)
+    everyone = gather(ids_of(matex.shard(pipeline)))
+    seen = sorted(i for rank in everyone for batch in rank for i in batch)
+    assert seen == list(range(ROWS))                     # every row once, over all ranks
+
+
+def test_user_options_do_not_count_as_sharded():
+    # A script that turns tf.distribute's auto-sharding OFF has not sharded for MaTEx
+    options = tf.data.Options()
+    options.experimental_distribute.auto_shard_policy = tf.data.experimental.AutoShardPolicy.OFF
+    options.framework_type = ["keras"]
+    plain = global_batches().with_options(options)
+    assert not _batch_slicing.is_sharded(plain)
+    assert ids_of(matex.shard(plain)) == expected_slices(R, N)
+
+
+def test_zip_with_a_sharded_input_counts_as_sharded():
+    sharded = matex.shard(global_batches())
+    assert _batch_slicing.is_sharded(tf.data.Dataset.zip((sharded, global_batches())))
+
+
+def test_array_shards_and_pydataset_are_marked():
+    shards = _batch_slicing.ArrayShards((np.zeros((10, 2)), np.zeros(10)), 4, False, 0)
+    assert _batch_slicing.is_sharded(shards.dataset().map(lambda x, y: (x, y)))
+
+    class Batches(keras.utils.PyDataset):
+        def __len__(self):
+            return 2
+
+        def __getitem__(self, i):
+            return np.zeros((4, 2)), np.zeros(4)
+
+    assert not _batch_slicing.is_sharded(Batches())
+    assert _batch_slicing.is_sharded(_batch_slicing.shard_pydataset(Batches()))
+    assert not _batch_slicing.is_sharded(np.zeros(3)) and not _batch_slicing.is_sharded(None)
+
+
+def test_is_sharded_inside_tf_function():
+    sharded = matex.shard(global_batches())
+
+    @tf.function
+    def build():
+        assert _batch_slicing.is_sharded(sharded.map(plain_map))
+        assert not _batch_slicing.is_sharded(global_batches())
+        return tf.constant(0)
+
+    build()
+
+
+# ---- rank and size at run time ----------------------------------------------------
+
+def last_rank_alone():
+    """Ranks 0..N-2 in one communicator, the last rank in its own (as after a shrink)."""
+    return SubCommunicator(lambda rank: 1 if rank == N - 1 else 0)
+
+
+needs_two = pytest.mark.skipif(N < 2, reason="needs 2 ranks or more")
+
+
+@needs_two
+def test_shard_reads_rank_and_size_when_the_pipeline_runs():
+    sharded = matex.shard(global_batches())
+    mapped = sharded.map(plain_map).prefetch(2)
+    before = (ids_of(sharded), ids_of(mapped))
+    with last_rank_alone() as sub:
+        rank, size = sub.comm.Get_rank(), sub.comm.Get_size()
+        after = (ids_of(sharded), ids_of(mapped))        # the same objects, iterated again
+    again = (ids_of(sharded), ids_of(mapped))
+    assert before == (expected_slices(R, N),) * 2
+    assert after == (expected_slices(rank, size),) * 2, (rank, size, after)
+    assert again == before                               # the old communicator is back
+
+
+@needs_two
+def test_generator_reads_rank_and_size_per_batch():
+    def batches():
+        for start in range(0, ROWS, BATCH):
+            yield np.arange(start, start + BATCH)
+
+    sliced = _batch_slicing.shard_generator(batches())
+    first = next(sliced).tolist()
+    with last_rank_alone() as sub:
+        rank, size = sub.comm.Get_rank(), sub.comm.Get_size()
+        second = next(sliced).tolist()
+    third = next(sliced).tolist()
+    assert first == expected_slices(R, N)[0]
+    assert second == expected_slices(rank, size)[1]
+    assert third == expected_slices(R, N)[2]
+
+
+@needs_two
+def test_array_shards_follow_the_communicator_on_the_next_pass():
+    # (already so before run-time slicing: kept as a regression test)
+    ids = np.arange(ROWS)
+    shards = _batch_slicing.ArrayShards((ids,), BATCH, False, 0)
+    dataset = shards.dataset()
+    before = [b[0].numpy().tolist() for b in dataset]
+    with last_rank_alone() as sub:
+        rank, size = sub.comm.Get_rank(), sub.comm.Get_size()
+        after = [b[0].numpy().tolist() for b in dataset]
+    assert before == expected_slices(R, N)
+    assert after == expected_slices(rank, size)
+
+
+@needs_two
+def test_pydataset_reads_rank_and_size_per_batch():
+    # (already so before run-time slicing: kept as a regression test)
+    class Batches(keras.utils.PyDataset):
+        def __len__(self):
+            return ROWS // BATCH
+
+        def __getitem__(self, i):
+            return np.arange(i * BATCH, (i + 1) * BATCH)
+
+    sharded = _batch_slicing.shard_pydataset(Batches())
+    before = sharded[1].tolist()
+    with last_rank_alone() as sub:
+        rank, size = sub.comm.Get_rank(), sub.comm.Get_size()
+        after = sharded[1].tolist()
+    assert before == expected_slices(R, N)[1]
+    assert after == expected_slices(rank, size)[1]
