@@ -34,7 +34,7 @@ import _common
 
 WORKERS = ["ranks1", "ranks2", "memory"]
 COLUMNS = 64
-BATCH = 256
+BATCH = 256          # per rank (DataSet per_rank_batch_size)
 
 
 def sizes(quick):
@@ -115,7 +115,7 @@ def train_epoch(drain, path, **options):
     """(samples/s, seconds to open) of one shuffled epoch of DataSet.train."""
     from matex.readers import DataSet
 
-    ds, opened = timed(lambda: DataSet(path, batch_size=BATCH, validation_split=0.01,
+    ds, opened = timed(lambda: DataSet(path, per_rank_batch_size=BATCH, validation_split=0.01,
                                        **options))
     drain(ds.validation)                                 # traces drain, warms the pipeline
     seen, seconds = timed(lambda: int(drain(ds.train)))
@@ -238,8 +238,8 @@ def worker_memory(args):
         path = args.files[kind]
         data = os.path.getsize(path) if kind == "csv" else sizes(args.quick)[0] * (COLUMNS * 4 + 8)
         budget = data // 2
-        warm = DataSet(path, batch_size=BATCH, validation_split=0.01, memory_budget=budget,
-                       **options)
+        warm = DataSet(path, per_rank_batch_size=BATCH, validation_split=0.01,
+                       memory_budget=budget, **options)
         drain(warm.validation)
         warm.close()
         del warm
@@ -255,7 +255,7 @@ def worker_memory(args):
 
         sampler = threading.Thread(target=sample)
         sampler.start()
-        ds = DataSet(path, batch_size=BATCH, memory_budget=budget, **options)
+        ds = DataSet(path, per_rank_batch_size=BATCH, memory_budget=budget, **options)
         _, seconds = timed(lambda: int(drain(ds.train)))
         ds.close()
         stop.set()

@@ -51,10 +51,10 @@ def budget_bytes(value=None):
     return int(value)
 
 
-def resolve(source, format):
+def resolve(source, fmt):
     """``(format, paths)`` for a path, a list of paths, a directory or a glob."""
-    if format is not None and format not in FORMATS:
-        raise ReaderError("unknown format %r (one of %s)" % (format, ", ".join(FORMATS)))
+    if fmt is not None and fmt not in FORMATS:
+        raise ReaderError("unknown format %r (one of %s)" % (fmt, ", ".join(FORMATS)))
     items = list(source) if isinstance(source, (list, tuple)) else [source]
     if not items:
         raise ReaderError("no source given")
@@ -77,7 +77,7 @@ def resolve(source, format):
             paths.append(item)
         else:
             raise ReaderError("%s: no such file" % item)
-    if format is None:
+    if fmt is None:
         kinds = {_EXTENSIONS.get(os.path.splitext(p)[1].lower()) for p in paths}
         if None in kinds:
             bad = next(p for p in paths if _EXTENSIONS.get(os.path.splitext(p)[1].lower()) is None)
@@ -85,8 +85,8 @@ def resolve(source, format):
                               "(one of %s)" % (bad, ", ".join(FORMATS)))
         if len(kinds) > 1:
             raise ReaderError("files of different formats in one data set: %s" % sorted(kinds))
-        format = kinds.pop()
-    return format, paths
+        fmt = kinds.pop()
+    return fmt, paths
 
 
 class DataSet:
@@ -139,7 +139,9 @@ class DataSet:
     shuffled. Bad input raises ReaderError on every rank.
     """
 
-    def __init__(self, source, features="x", labels="y", format=None, batch_size=None,
+    def __init__(self, source, features="x", labels="y",
+                 format=None,  # noqa: A002 - the keyword of the original MaTEx API
+                 batch_size=None,
                  shuffle=True, seed=0, validation_split=0.0, memory_budget=None,
                  header=None, delimiter=",", per_rank_batch_size=None):
         if not 0.0 <= validation_split < 1.0:

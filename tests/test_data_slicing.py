@@ -5,6 +5,8 @@ tf.data chains and slicing after the communicator is replaced;
 ``tests/scripts/sharded_chains.py`` trains plain Keras on chains after a
 reader and after ``matex.shard`` under ``python -m matex`` and counts, inside
 the model, every sample each rank trained and validated on.
+``tests/scripts/uneven_steps.py`` filters batches after sharding so that the
+ranks get different numbers of steps: one clear error on every rank.
 """
 
 import json
@@ -18,6 +20,7 @@ import mpitools
 
 ROOT = mpitools.ROOT
 CHAINS_SCRIPT = str(ROOT / "tests" / "scripts" / "sharded_chains.py")
+UNEVEN_SCRIPT = str(ROOT / "tests" / "scripts" / "uneven_steps.py")
 # chain -> (training steps per epoch, validation samples per epoch); None: all of them
 CHAINS = {
     "plain": (None, None),
@@ -95,3 +98,16 @@ def test_chains_after_reader_and_shard_train_on_every_sample_once(tmp_path):
                                         % (key, epoch, rank, results[rank]["steps"][epoch],
                                            epoch_steps))
     assert not problems, "\n".join(problems)
+
+
+@pytest.mark.parametrize("source", ["shard", "reader"])
+def test_uneven_steps_after_a_filter_is_one_clear_error_on_every_rank(source, tmp_path):
+    extra = [str(tmp_path / "uneven.h5")] if source == "reader" else []
+    proc = mpitools.run_mpi(2, [sys.executable, "-m", "matex", UNEVEN_SCRIPT, source] + extra,
+                            timeout=300)
+    output = proc.stdout + proc.stderr
+    assert proc.returncode != 0 and "finished rank" not in output, output[-5000:]
+    # one traceback per rank ending in the same clear error
+    assert output.count("MismatchError: matex: ranks ran different numbers of training "
+                        "steps") >= 2, output[-5000:]
+    assert "rank 0 had no batch left after 1 steps; rank 1 had more" in output

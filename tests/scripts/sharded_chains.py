@@ -20,7 +20,6 @@ import sys
 
 import h5py
 import keras
-import numpy as np
 import tensorflow as tf
 
 import matex
