@@ -14,11 +14,20 @@ Each lands in a directory named after a hash of everything it depends on
 of TensorFlow or of MPI selects a new directory and triggers a rebuild. A file
 lock makes concurrently starting ranks build once.
 
+Two inputs come from subprocesses: the compiler's ``--version`` and the MPI
+include directory (``mpicc -showme``). The ops load after ``MPI_Init``, where
+forking is unsafe on RDMA fabrics (registered memory) and slow at scale, so
+those answers are kept in ``<build root>/probes/``, keyed by what is known
+without running anything (paths, sizes and modification times of the
+compiler, of ``libmpi`` and of the ``mpicc`` wrappers; the MPI library's
+version string): on a warm build nothing forks.
+
 Run ``python -m matex._build`` to build ahead of time.
 """
 
 import fcntl
 import hashlib
+import json
 import os
 import shutil
 import subprocess
@@ -117,8 +126,8 @@ def _library_version():
     return None
 
 
-def _mpi_include_dir(libmpi):
-    """Include directory whose mpi.h belongs to ``libmpi`` (the MPI mpi4py loaded)."""
+def _mpi_include_places(libmpi):
+    """``(explicit, candidate include dirs, mpicc wrappers)`` for ``libmpi``; no subprocess."""
     libdir = Path(libmpi).resolve().parent
     prefix = libdir.parent
     explicit = os.environ.get("MATEX_MPI_INCLUDE")
@@ -130,7 +139,16 @@ def _mpi_include_dir(libmpi):
     wrappers = [shutil.which("mpicc", path=str(d))
                 for d in (prefix / "bin", prefix.parent / "bin")]
     wrappers.append(shutil.which("mpicc"))
-    for exe in dict.fromkeys(w for w in wrappers if w):
+    return explicit, candidates, list(dict.fromkeys(w for w in wrappers if w))
+
+
+def _mpi_include_dir(libmpi):
+    """Include directory whose mpi.h belongs to ``libmpi`` (the MPI mpi4py loaded).
+
+    Runs the MPI's ``mpicc`` wrappers; ``_cached_mpi_include_dir`` runs them once.
+    """
+    explicit, candidates, wrappers = _mpi_include_places(libmpi)
+    for exe in wrappers:
         for args in (["-showme:incdirs"], ["-show"]):
             try:
                 out = subprocess.run([exe] + args, capture_output=True, text=True, timeout=30)
@@ -202,6 +220,72 @@ def _compiler_version(cxx):
     return out.stdout.splitlines()[0] if out.stdout else cxx
 
 
+def _file_key(path):
+    """A file's identity without reading or running it: path, real path, size, mtime."""
+    real = os.path.realpath(path)
+    try:
+        st = os.stat(real)
+    except OSError:
+        return (str(path), real, None, None)
+    return (str(path), real, st.st_size, st.st_mtime_ns)
+
+
+_probed = {}   # probe file path -> value, for this process
+
+
+def _probe(name, inputs, compute, still_valid=lambda value: True):
+    """``compute()`` (which runs a subprocess) once per ``inputs``, kept in the build root.
+
+    ``inputs`` must determine the answer and be known without a subprocess.
+    A kept answer that fails ``still_valid`` is computed again. A build root
+    that cannot be written (a shared, read-only install) only costs the cache.
+    """
+    filename = "%s-%s.json" % (name, _hash(inputs))
+    path = build_root() / "probes" / filename
+
+    def kept():
+        value = _probed.get(str(path))
+        if value is None:
+            try:
+                value = json.loads(path.read_text())["value"]
+            except (OSError, ValueError, KeyError, TypeError):
+                return None
+        return value if value is not None and still_valid(value) else None
+
+    value = kept()
+    if value is None:
+        with _Locked(build_root() / ".lock", optional=True):
+            value = kept()
+            if value is None:
+                value = compute()
+                try:
+                    path.parent.mkdir(parents=True, exist_ok=True)
+                    partial = path.with_name(".%s.%d" % (filename, os.getpid()))
+                    partial.write_text(json.dumps({"inputs": repr(inputs), "value": value}))
+                    os.replace(partial, path)
+                except OSError:
+                    pass   # read-only build root: the answer is not kept
+    _probed[str(path)] = value
+    return value
+
+
+def _cached_compiler_version(cxx):
+    """``cxx --version``'s first line, run once per compiler binary (see ``_probe``)."""
+    return _probe("cxx", _file_key(cxx), lambda: _compiler_version(cxx))
+
+
+def _cached_mpi_include_dir(libmpi):
+    """``_mpi_include_dir(libmpi)``, its wrappers run once per MPI (see ``_probe``)."""
+    from mpi4py import MPI
+
+    explicit, candidates, wrappers = _mpi_include_places(libmpi)
+    inputs = (_file_key(libmpi), MPI.Get_library_version(), explicit,
+              [_file_key(w) for w in wrappers],
+              [_file_key(os.path.join(c, "mpi.h")) for c in candidates])
+    return _probe("mpiinc", inputs, lambda: _mpi_include_dir(libmpi),
+                  lambda inc: os.path.isfile(os.path.join(inc, "mpi.h")))
+
+
 def _run(cmd):
     proc = subprocess.run(cmd, capture_output=True, text=True)
     if proc.returncode != 0:
@@ -212,20 +296,33 @@ def _run(cmd):
 
 
 class _Locked:
-    """Exclusive lock on a file, so that one process builds and the others wait."""
+    """Exclusive lock on a file, so that one process builds and the others wait.
 
-    def __init__(self, path):
+    ``optional``: go on unlocked where the lock file cannot be opened (a
+    read-only build root).
+    """
+
+    def __init__(self, path, optional=False):
         self.path = path
+        self.optional = optional
+        self.fd = None
 
     def __enter__(self):
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        self.fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o666)
+        try:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            self.fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o666)
+        except OSError:
+            if not self.optional:
+                raise
+            return self
         fcntl.flock(self.fd, fcntl.LOCK_EX)
         return self
 
     def __exit__(self, *exc):
-        fcntl.flock(self.fd, fcntl.LOCK_UN)
-        os.close(self.fd)
+        if self.fd is not None:
+            fcntl.flock(self.fd, fcntl.LOCK_UN)
+            os.close(self.fd)
+            self.fd = None
 
 
 def _build_into(target, products, build):
@@ -262,14 +359,14 @@ def core_dir():
     src = _source_dir()
     cxx = _compiler()
     libmpi = _loaded_libmpi()
-    mpi_inc = _mpi_include_dir(libmpi)
+    mpi_inc = _cached_mpi_include_dir(libmpi)
     py_inc = _python_include()
     pb_inc, pb_version = _pybind11_include()
     from mpi4py import MPI
 
     ext = sysconfig.get_config_var("EXT_SUFFIX")
     key = _hash(_tree_digest(src / "core"), _tree_digest(src / "python"),
-                _compiler_version(cxx), libmpi, MPI.Get_library_version(),
+                _cached_compiler_version(cxx), libmpi, MPI.Get_library_version(),
                 (Path(mpi_inc) / "mpi.h").read_bytes(), sys.version, ext,
                 pb_version, _OPT, _MPI_DEFINES)
     target = build_root() / ("core-" + key)
@@ -344,7 +441,7 @@ def csvparse_dir():
     pb_inc, pb_version = _pybind11_include()
     ext = sysconfig.get_config_var("EXT_SUFFIX")
     flags = ["-std=c++17", "-D_GLIBCXX_USE_CXX11_ABI=1", "-fvisibility=hidden"] + _OPT
-    key = _hash(source.read_bytes(), _compiler_version(cxx), sys.version, ext, pb_version,
+    key = _hash(source.read_bytes(), _cached_compiler_version(cxx), sys.version, ext, pb_version,
                 flags)
     target = build_root() / ("csvparse-" + key)
     product = "_matex_csvparse" + ext

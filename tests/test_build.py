@@ -1,8 +1,11 @@
-"""Building the op library: clear errors, rebuild keys."""
+"""Building the op library: clear errors, rebuild keys, no fork after MPI_Init."""
 
+import json
 import os
 import subprocess
 import sys
+
+import mpitools
 
 from matex import _build
 
@@ -59,3 +62,115 @@ def test_compiler_error_shows_command_and_output(tmp_path):
         assert "bad.cc" in str(exc) and "compiling MaTEx's C++ code failed" in str(exc)
     else:
         raise AssertionError("a broken source compiled")
+
+
+FAKE_CXX = """#!/bin/sh
+# a C++ compiler that names itself VERSION (and is g++ otherwise)
+if [ "$1" = --version ]; then echo "fake c++ VERSION"; exit 0; fi
+exec g++ "$@"
+"""
+
+
+def test_a_changed_compiler_selects_a_fresh_build_and_is_probed_once(tmp_path, monkeypatch):
+    monkeypatch.setenv("MATEX_BUILD_DIR", str(tmp_path / "cache"))
+    monkeypatch.setattr(_build, "_build_into", lambda target, products, build: target)
+    cxx = tmp_path / "bin" / "c++"
+    cxx.parent.mkdir()
+    cxx.write_text(FAKE_CXX.replace("VERSION", "1.0"))
+    cxx.chmod(0o755)
+    monkeypatch.setenv("CXX", str(cxx))
+    first = _build.core_dir()
+
+    def no_subprocess(*args, **kwargs):
+        raise AssertionError("a subprocess ran for a probed compiler/MPI: %s" % (args,))
+
+    # Same compiler and MPI: the answers come from the build root, nothing runs,
+    # in this process and in a new one (whose in-process memo is empty).
+    with monkeypatch.context() as patched:
+        patched.setattr(_build.subprocess, "run", no_subprocess)
+        assert _build.core_dir() == first
+        patched.setattr(_build, "_probed", {})
+        assert _build.core_dir() == first
+    # The compiler changes (an upgrade in place): a new build.
+    cxx.write_text(FAKE_CXX.replace("VERSION", "2.0.1"))
+    second = _build.core_dir()
+    assert second != first
+    assert sorted(p.name.split("-")[0] for p in (tmp_path / "cache" / "probes").iterdir()) == [
+        "cxx", "cxx", "mpiinc"]
+
+
+def test_probe_runs_once_per_inputs_and_again_when_invalid(tmp_path, monkeypatch):
+    monkeypatch.setenv("MATEX_BUILD_DIR", str(tmp_path))
+    monkeypatch.setattr(_build, "_probed", {})
+    calls = []
+
+    def compute():
+        calls.append(1)
+        return "answer %d" % len(calls)
+
+    assert _build._probe("t", ("a", 1), compute) == "answer 1"
+    monkeypatch.setattr(_build, "_probed", {})          # as in a new process
+    assert _build._probe("t", ("a", 1), compute) == "answer 1" and len(calls) == 1
+    assert _build._probe("t", ("a", 2), compute) == "answer 2"
+    assert _build._probe("t", ("a", 1), compute, lambda value: False) == "answer 3"
+
+
+def test_probe_in_a_build_root_that_cannot_be_written(tmp_path, monkeypatch):
+    # A shared read-only install (e.g. the Docker image's, built as another user)
+    blocker = tmp_path / "file"
+    blocker.write_text("")
+    monkeypatch.setenv("MATEX_BUILD_DIR", str(blocker / "build"))
+    monkeypatch.setattr(_build, "_probed", {})
+    assert _build._probe("t", ("ro",), lambda: "computed") == "computed"
+
+
+NO_FORK_SCRIPT = """
+import json, os, subprocess, sys
+# TensorFlow first: its import runs `uname -p` (h5py asks platform.uname() for the
+# processor), which is TensorFlow's fork, not MaTEx's.
+import numpy as np
+import tensorflow as tf
+import mpi4py.MPI  # MPI_Init: from here on, forking is what RDMA fabrics do not survive
+import _posixsubprocess
+
+forks = []
+
+
+def refuse(name):
+    def refused(*args, **kwargs):
+        forks.append("%s %r" % (name, args[:2]))
+        raise RuntimeError("%s after MPI_Init" % name)
+    return refused
+
+
+subprocess.Popen = refuse("subprocess.Popen")
+_posixsubprocess.fork_exec = refuse("_posixsubprocess.fork_exec")
+for name in ("fork", "forkpty", "vfork", "posix_spawn", "posix_spawnp", "system", "popen",
+             "execv", "execve", "execvp", "execvpe", "spawnv", "spawnve"):
+    if hasattr(os, name):
+        setattr(os, name, refuse("os." + name))
+
+import matex
+
+total = matex.allreduce(np.full(3, matex.rank() + 1.0, np.float32), op="sum")
+print(json.dumps({"rank": matex.rank(), "sum": [float(x) for x in np.asarray(total)],
+                  "forks": forks}), flush=True)
+"""
+
+
+def test_warm_build_loads_the_ops_without_forking_after_mpi_init(tmp_path):
+    # Warm build (and probe answers) first, as a job's ranks find it after
+    # `python -m matex._build` or an earlier run.
+    warm = subprocess.run([sys.executable, "-m", "matex._build"], capture_output=True,
+                          text=True, timeout=900)
+    assert warm.returncode == 0, warm.stderr[-3000:]
+    script = tmp_path / "no_fork.py"
+    script.write_text(NO_FORK_SCRIPT)
+    proc = mpitools.run_mpi(2, [sys.executable, str(script)], timeout=300)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
+    reports = sorted((json.loads(line) for line in proc.stdout.splitlines()
+                      if line.startswith("{")), key=lambda r: r["rank"])
+    assert [r["rank"] for r in reports] == [0, 1], proc.stdout
+    for report in reports:
+        assert report["forks"] == [], report
+        assert report["sum"] == [3.0, 3.0, 3.0]
