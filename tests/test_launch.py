@@ -52,7 +52,7 @@ def test_matexrun_ft_verbose_prints_the_ulfm_flags_and_runs(tmp_path):
     proc = subprocess.run([matexrun, "--ft", "-v", "--all-ranks", "-n", "2", _script(tmp_path),
                            "0"], capture_output=True, text=True, timeout=180)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    command = [l for l in proc.stderr.splitlines() if l.startswith("matexrun: ")]
+    command = [line for line in proc.stderr.splitlines() if line.startswith("matexrun: ")]
     assert len(command) == 1, proc.stderr[-3000:]
     assert "--with-ft ulfm" in command[0] and "-n 2" in command[0]
     assert command[0].endswith("-m matex --all-ranks %s 0" % _script(tmp_path))
@@ -73,7 +73,7 @@ def test_matexrun_prints_the_command_and_runs_the_script(tmp_path):
     quiet = subprocess.run([matexrun, "-n", "2", _script(tmp_path), "0"], capture_output=True,
                            text=True, timeout=180)
     assert quiet.returncode == 0, quiet.stderr[-3000:]
-    assert [l.split()[1] for l in quiet.stdout.splitlines()] == ["0"]   # rank 1 is quiet
+    assert [line.split()[1] for line in quiet.stdout.splitlines()] == ["0"]   # rank 1 is quiet
     proc = subprocess.run([matexrun, "-v", "--all-ranks", "-n", "3", _script(tmp_path), "0"],
                           capture_output=True, text=True, timeout=180,
                           env={k: v for k, v in os.environ.items()
