@@ -69,9 +69,13 @@ def inject_fault_spec() -> str:
     return _get("MATEX_INJECT_FAULT")
 
 
-def status_dir():
-    """``MATEX_STATUS_DIR``: where a failing rank leaves its status for the launcher."""
-    return _get("MATEX_STATUS_DIR") or None
+STATUS_DIR_VAR = "MATEX_STATUS_DIR"
+
+
+def status_dir(env=None):
+    """``MATEX_STATUS_DIR`` (of ``env``, default the process's): where a failing rank
+    leaves its status for the launcher (``matex._status``), or None."""
+    return (os.environ if env is None else env).get(STATUS_DIR_VAR) or None
 
 
 DEFAULT_FUSION_THRESHOLD = 16 * 1024 * 1024

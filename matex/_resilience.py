@@ -175,7 +175,7 @@ def die_like_a_crash(text):
     was seen to make the runtime end a later survivor; so only the last rank
     (alone in its communicator) exits with status 1. Under ULFM, ``mpiexec``
     exits 0 even when every rank was killed; so the rank first leaves a report
-    in ``matexrun --ft``'s status directory (``launcher.supervise``), which
+    in ``matexrun --ft``'s status directory (``matex._status``), which
     matexrun counts to report that case as a failure. ``FAILED_LINE`` is for
     people reading stderr; nothing parses it.
     """
@@ -189,9 +189,9 @@ def die_like_a_crash(text):
     sys.stderr.flush()
     sys.stdout.flush()
     try:
-        from matex.launcher import supervise
+        from matex import _status
 
-        supervise.report_failure(rank, text)
+        _status.report_failure(rank, text)
     except Exception:  # noqa: BLE001 - a rank that cannot report must still die
         pass
     if _runtime._comm is not None and _runtime._comm.Get_size() == 1:

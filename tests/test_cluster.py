@@ -30,7 +30,7 @@ from pathlib import Path
 
 import pytest
 
-from matex import launch
+from matex import launcher as launch
 
 ROOT = Path(__file__).resolve().parent.parent
 NETNS = ROOT / "tests" / "netns"
@@ -520,7 +520,7 @@ def test_system_mpi_two_ranks_with_its_mpiexec(system_mpi, sysmpi_python, tmp_pa
 def test_matexrun_picks_the_system_mpiexec(system_mpi, sysmpi_python, tmp_path):
     path = tmp_path / "allreduce.py"
     path.write_text(SYSMPI_SCRIPT)
-    proc = subprocess.run([sysmpi_python, "-m", "matex.launch", "-v", "--all-ranks", "-n", "2",
+    proc = subprocess.run([sysmpi_python, "-m", "matex.launcher", "-v", "--all-ranks", "-n", "2",
                            str(path)], capture_output=True, text=True, timeout=600,
                           env=_sysmpi_env({"PATH": os.path.dirname(sys.executable) + ":" +
                                            SYS_PATH}))   # the embedded mpiexec first on PATH

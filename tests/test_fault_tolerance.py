@@ -21,7 +21,7 @@ import numpy as np
 import pytest
 
 import mpitools
-from matex import launch
+from matex import launcher as launch
 
 SCRIPT = str(mpitools.ROOT / "tests" / "scripts" / "ft_fit.py")
 STEPS, EPOCHS, N = 10, 3, 300

@@ -11,15 +11,14 @@ it. Nothing depends on what the ranks print, or on where their stderr goes.
 from __future__ import annotations
 
 import contextlib
-import os
 import shutil
 import subprocess
 import sys
 import tempfile
 from collections.abc import Iterator, Mapping, Sequence
 
-STATUS_DIR_VAR = "MATEX_STATUS_DIR"
-_FAILED = "failed."      # failed.<world rank>: that rank failed
+from matex._config import STATUS_DIR_VAR
+from matex._status import failed_ranks, report_failure  # noqa: F401 - re-exported
 
 
 @contextlib.contextmanager
@@ -33,36 +32,6 @@ def status_directory(parent: str | None = None) -> Iterator[str]:
         yield directory
     finally:
         shutil.rmtree(directory, ignore_errors=True)
-
-
-def report_failure(rank: int, text: str, env: Mapping[str, str] | None = None) -> str | None:
-    """Record in ``matexrun --ft``'s status directory that world rank ``rank`` failed.
-
-    Writes ``failed.<rank>`` holding the last line of ``text`` (a traceback's:
-    the exception), under a temporary name first, so that the launcher never
-    reads half a file. Returns its path; None when not run by ``matexrun --ft``.
-    """
-    directory = (os.environ if env is None else env).get(STATUS_DIR_VAR)
-    if not directory:
-        return None
-    lines = [line for line in text.splitlines() if line.strip()]
-    path = os.path.join(directory, "%s%d" % (_FAILED, rank))
-    partial = os.path.join(directory, ".%s%d.%d" % (_FAILED, rank, os.getpid()))
-    with open(partial, "w") as out:
-        out.write((lines[-1] if lines else "failed") + "\n")
-    os.replace(partial, path)
-    return path
-
-
-def failed_ranks(directory: str | os.PathLike) -> dict[int, str]:
-    """World rank -> last line of its traceback, for each rank that reported failing."""
-    failed = {}
-    for name in os.listdir(directory):
-        rank = name[len(_FAILED):]
-        if name.startswith(_FAILED) and rank.isdigit():
-            with open(os.path.join(directory, name), errors="replace") as report:
-                failed[int(rank)] = report.read().strip()
-    return failed
 
 
 def run_fault_tolerant(cmd: Sequence[str], env: Mapping[str, str], nranks: int,
