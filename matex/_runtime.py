@@ -161,8 +161,17 @@ def _start_ulfm():
     except MPI.Exception as exc:
         if exc.Get_error_class() not in failures:
             raise
-    _set_comm(world.Shrink())
-    alive = {r: (host, pid) for r, host, pid in _control.allgather(me)}
+    for attempt in range(5):
+        # A rank that ends right after its own start (a script that fails or
+        # finishes at once) can fail a peer's last start-up collective: shrink
+        # again, as recovery does, instead of failing the survivor.
+        try:
+            _set_comm(world.Shrink())
+            alive = {r: (host, pid) for r, host, pid in _control.allgather(me)}
+            break
+        except MPI.Exception as exc:
+            if exc.Get_error_class() not in failures or attempt == 4:
+                raise
     _peers = _peers or alive
     lost = sorted(set(range(world.Get_size())) - set(alive))
     if lost:
