@@ -21,10 +21,10 @@ from Python's ``random``, so an unseeded script now builds the same initial
 weights and the same dropout generators on every rank. This changes nothing
 in what is trained: ``fit`` and a custom loop's first step take rank 0's
 weights anyway, and ``fit`` takes rank 0's dropout generator states too
-(they are model variables). Dropout masks are therefore drawn from the same
-generator state on every rank in a step: ranks holding slices of equal size
-use the same mask pattern (one process draws independent masks for all rows
-of the global batch).
+(they are model variables). The generator states are therefore the same on
+every rank; the seed a layer draws from one inside a step is made specific to
+the rank (``matex._keras.randomness``), so masks and noise differ across the
+global batch as in one process while the states stay equal.
 """
 
 import importlib.abc
