@@ -11,6 +11,13 @@ Before the script runs on several ranks, Python's ``random``, NumPy's global
 generator and TensorFlow's global seed are seeded with one seed from rank 0,
 so that the randomness an unseeded script draws agrees on every rank
 (``matex._transparent``).
+
+TensorFlow's C++ start-up notices (absl's "All log messages before
+absl::InitializeLog()", cpu_feature_guard's instruction-set note, oneDNN's
+notice), printed by every rank, are hidden by defaulting
+``TF_CPP_MIN_LOG_LEVEL`` to 1 (INFO hidden; warnings, errors and tracebacks
+stay visible) before the script imports TensorFlow. A value the user set is
+kept.
 """
 
 import os
@@ -38,6 +45,19 @@ class _Prefixed:
         return getattr(self.stream, name)
 
 
+QUIET_ENVIRONMENT = {
+    # TensorFlow's C++ logging: 1 hides INFO (the start-up notices) and keeps
+    # WARNING and ERROR. Read when TensorFlow loads; numerics are unaffected.
+    "TF_CPP_MIN_LOG_LEVEL": "1",
+}
+
+
+def _quiet_tensorflow_startup():
+    """Default the environment that silences TensorFlow's start-up notices (user values win)."""
+    for name, value in QUIET_ENVIRONMENT.items():
+        os.environ.setdefault(name, value)
+
+
 def _rank():
     for var in ("OMPI_COMM_WORLD_RANK", "PMI_RANK", "PMIX_RANK", "SLURM_PROCID"):
         if os.environ.get(var, "").isdigit():
@@ -61,6 +81,7 @@ def _run(argv):
     if not os.path.isfile(script):
         print("matex: no such script: %s" % script, file=sys.stderr)
         return 2
+    _quiet_tensorflow_startup()
     rank = _rank()
     if rank != 0:
         sys.stdout = _Prefixed(sys.stdout, "[rank %d] " % rank) if all_ranks else open(
