@@ -27,7 +27,7 @@ from matex._runtime import comm, init, local_rank, local_size, rank, size  # noq
 __all__ = [
     "init", "rank", "size", "local_rank", "local_size", "comm",
     "allreduce", "broadcast", "allgather", "broadcast_variables",
-    "DistributedOptimizer", "DistributedGradientTape", "mpi_error_class", "shard",
+    "DistributedOptimizer", "DistributedGradientTape", "mpi_error_class", "shard", "is_sharded",
     "on_rank_loss", "run_resilient",
 ]
 
@@ -39,7 +39,8 @@ _LAZY = {
     "mpi_error_class": "matex.errors",
     "DistributedOptimizer": "matex._optimizer",
     "DistributedGradientTape": "matex._tape",
-    "shard": "matex._sharding",
+    "shard": "matex._batch_slicing",
+    "is_sharded": "matex._batch_slicing",
     "on_rank_loss": "matex._resilience",
     "run_resilient": "matex._recovery",
 }

@@ -8,7 +8,6 @@ the previous collective, for ordering), so it starts while backprop is still
 computing the earlier layers' gradients.
 """
 
-import tensorflow as tf
 
 from matex import _collectives, _config
 

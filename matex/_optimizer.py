@@ -126,7 +126,7 @@ def _weighted_average(grads, rows, threshold):
 
 
 class rows_of_step:
-    """Within this block, ``optimizer`` weights gradients by ``rows`` (see _sharding)."""
+    """Within this block, ``optimizer`` weights gradients by ``rows`` (see _batch_slicing)."""
 
     def __init__(self, optimizer, data):
         self.state = getattr(optimizer, "_matex", None)

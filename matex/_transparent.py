@@ -3,7 +3,7 @@
 One seed for every rank
 -----------------------
 Transparent mode runs one copy of the script per rank, and every rank
-produces the same *global* batches and keeps its slice (``_sharding``). That
+produces the same *global* batches and keeps its slice (``_batch_slicing``). That
 holds only if the randomness the script draws is the same on every rank: an
 unseeded ``tf.data`` ``.shuffle()``, a generator drawing its order from
 ``random`` or ``np.random``, a ``PyDataset`` reshuffling itself. So when
@@ -29,7 +29,6 @@ global batch as in one process while the states stay equal.
 
 import importlib.abc
 import importlib.util
-import os
 import random
 import sys
 

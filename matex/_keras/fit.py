@@ -11,7 +11,7 @@ import functools
 import keras
 import tensorflow as tf
 
-from matex import _compat, _config, _faults, _recovery, _resilience, _runtime, _sharding
+from matex import _compat, _config, _faults, _recovery, _resilience, _runtime, _batch_slicing
 from matex._keras import inputs, metrics
 from matex._keras.calls import bind, call
 from matex._keras.metrics import AverageMovingStatistics
@@ -108,7 +108,7 @@ def fit(original):
             batch *= size
         x, y, sw = a["x"], a["y"], a["sample_weight"]
         if (a["validation_split"] and a["validation_data"] is None
-                and _sharding.is_array_input(x)):
+                and _batch_slicing.is_array_input(x)):
             given = inputs.present(x, y, sw)
             (x, y, sw), a["validation_data"] = _compat.train_validation_split(
                 given + (None,) * (3 - len(given)), a["validation_split"])

@@ -11,7 +11,7 @@ import functools
 import numpy as np
 import tensorflow as tf
 
-from matex import _compat, _faults, _recovery, _runtime, _sharding
+from matex import _compat, _faults, _recovery, _runtime, _batch_slicing
 from matex._keras import inputs
 from matex._keras.calls import bind, call
 from matex._keras.output import explicit, quiet, rank0_callbacks
@@ -59,11 +59,11 @@ def predict(original):
         def body():
             a["verbose"] = quiet(a["verbose"])
             a["callbacks"] = rank0_callbacks(callbacks)
-            if not _sharding.is_array_input(x) or _runtime.size() == 1:
+            if not _batch_slicing.is_array_input(x) or _runtime.size() == 1:
                 return call(original, bound)
             arrays = tf.nest.map_structure(np.asarray, x)
             n = len(tf.nest.flatten(arrays)[0])
-            lo, hi = _sharding.slice_bounds(n, _runtime.rank(), _runtime.size())
+            lo, hi = _batch_slicing.slice_bounds(n, _runtime.rank(), _runtime.size())
             if hi > lo or n == 0:
                 a["x"] = tf.nest.map_structure(lambda v: v[lo:hi], arrays)
                 mine = call(original, bound)

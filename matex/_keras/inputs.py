@@ -1,4 +1,4 @@
-"""``fit``/``evaluate`` inputs cut into this rank's share (policy: ``matex._sharding``).
+"""``fit``/``evaluate`` inputs cut into this rank's share (policy: ``matex._batch_slicing``).
 
 Arrays and ``PyDataset`` batches are shuffled here with permutations from a
 seed shared by all ranks (Keras then gets ``shuffle=False``); ``tf.data``
@@ -11,7 +11,7 @@ import keras
 import numpy as np
 import tensorflow as tf
 
-from matex import _runtime, _sharding
+from matex import _runtime, _batch_slicing
 
 
 def shared_seed():
@@ -28,7 +28,7 @@ def shared_seed():
 
 def shuffles_itself(x):
     """Whether MaTEx, not Keras, shuffles ``fit``'s input ``x`` when ``shuffle=True``."""
-    return _sharding.is_array_input(x) or isinstance(x, keras.utils.PyDataset)
+    return _batch_slicing.is_array_input(x) or isinstance(x, keras.utils.PyDataset)
 
 
 def present(*parts):
@@ -40,15 +40,15 @@ def shard_input(x, y, sample_weight, batch_size, shuffle, seed, epoch=0):
     if x is None:
         return x, y, sample_weight, batch_size
     if isinstance(x, tf.data.Dataset):
-        return _sharding.shard(x), y, sample_weight, None
+        return _batch_slicing.shard(x), y, sample_weight, None
     if isinstance(x, keras.utils.PyDataset):
-        if getattr(x, _sharding.SHARDED_ATTR, False):
+        if _batch_slicing.is_sharded(x):
             return x, y, sample_weight, None
-        return _sharding.shard_pydataset(x, shuffle, seed, epoch), y, sample_weight, None
+        return _batch_slicing.shard_pydataset(x, shuffle, seed, epoch), y, sample_weight, None
     if inspect.isgenerator(x) or (hasattr(x, "__next__") and hasattr(x, "__iter__")):
-        return _sharding.shard_generator(x), y, sample_weight, None
-    if _sharding.is_array_input(x):
-        shards = _sharding.ArrayShards(present(x, y, sample_weight), batch_size or 32, shuffle,
+        return _batch_slicing.shard_generator(x), y, sample_weight, None
+    if _batch_slicing.is_array_input(x):
+        shards = _batch_slicing.ArrayShards(present(x, y, sample_weight), batch_size or 32, shuffle,
                                        seed)
         return shards.dataset(), None, None, None
     return x, y, sample_weight, batch_size
@@ -61,8 +61,8 @@ class TrainInput:
         self.raw = (x, y, sample_weight, batch, shuffle, seed)
         self.shards = None
         self.steps = None
-        if _sharding.is_array_input(x):
-            self.shards = _sharding.ArrayShards(present(x, y, sample_weight), batch, shuffle,
+        if _batch_slicing.is_array_input(x):
+            self.shards = _batch_slicing.ArrayShards(present(x, y, sample_weight), batch, shuffle,
                                                 seed)
             self.steps = self.shards.steps
         elif isinstance(x, tf.data.Dataset) and int(x.cardinality()) > 0:
@@ -84,7 +84,7 @@ class TrainInput:
 
 def validation_input(validation, batch):
     """``fit``'s ``validation_data``, cut into this rank's share."""
-    if isinstance(validation, (tuple, list)) and _sharding.is_array_input(validation[0]):
+    if isinstance(validation, (tuple, list)) and _batch_slicing.is_array_input(validation[0]):
         vx, vy, vsw = (tuple(validation) + (None, None))[:3]
         return shard_input(vx, vy, vsw, batch, False, 0)[0]
     return shard_input(validation, None, None, batch, False, 0)[0]

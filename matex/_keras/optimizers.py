@@ -35,7 +35,7 @@ def apply_wrapper(original):
 
 
 def train_step_wrapper(original):
-    """``fit``'s step weights gradients by this rank's rows (see ``matex._sharding``)."""
+    """``fit``'s step weights gradients by this rank's rows (see ``matex._batch_slicing``)."""
     @functools.wraps(original)
     def step(self, data):
         if not getattr(self, "_matex_weighted", False):
