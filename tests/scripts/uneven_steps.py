@@ -64,5 +64,12 @@ else:
 model = keras.Sequential([keras.Input((2,)), keras.layers.Dense(2)])
 model.compile(optimizer="sgd", metrics=["accuracy"],
               loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
-model.fit(train, epochs=2, verbose=0)
+try:
+    model.fit(train, epochs=2, verbose=0)
+except Exception as exc:  # noqa: BLE001 - recorded for the test, then raised as it was
+    # each rank's own record: the first rank to raise aborts the job and may cut
+    # the others' tracebacks short on stderr
+    with open(os.environ["UNEVEN_OUT"] + ".%d" % rank, "w") as f:
+        f.write("%s: %s" % (type(exc).__name__, exc))
+    raise
 print("finished rank %d" % rank, flush=True)
