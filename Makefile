@@ -28,6 +28,7 @@ demo: ops
 	$(VENV)/bin/matexrun -n 2 examples/demo.py
 
 test: ops
+	$(PY) -m ruff check .
 	$(PY) -m pytest -q tests
 
 bench: ops

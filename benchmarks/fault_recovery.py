@@ -88,8 +88,9 @@ def _worker(args):
         "committed": int(model.optimizer.iterations), "attempted": Steps.attempted,
         "lost": int((seen < epochs).sum()), "duplicated": int((seen > epochs).sum()),
         "size": matex.size(),
-        "recovery_started": [l.started for l in losses],
-        "recover_s": [l.seconds for l in losses], "resync_s": [l.resync_seconds for l in losses],
+        "recovery_started": [loss.started for loss in losses],
+        "recover_s": [loss.seconds for loss in losses],
+        "resync_s": [loss.resync_seconds for loss in losses],
     }
     _common.emit(result, rank=matex.rank())
 
@@ -106,8 +107,8 @@ def _run(phase, quick):
     cmd = launcher.mpiexec_command(NRANKS, program + (["--quick"] if quick else []),
                                    mpi_args=mpi_args)
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=1800)
-    lines = [l[len(_common.RESULT_MARK):] for l in proc.stdout.splitlines()
-             if l.startswith(_common.RESULT_MARK)]
+    lines = [line[len(_common.RESULT_MARK):] for line in proc.stdout.splitlines()
+             if line.startswith(_common.RESULT_MARK)]
     if proc.returncode != 0 or len(lines) != 1:
         raise SystemExit("phase %s failed (exit %d)\n%s\n%s" % (
             phase, proc.returncode, proc.stdout[-3000:], proc.stderr[-5000:]))

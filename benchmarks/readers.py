@@ -160,7 +160,6 @@ def h5py_baselines(path, plan, rank, budget_seconds):
 def worker_ranks(args):
     """DataSet vs h5py, pandas and netCDF4 on this phase's ranks."""
     import netCDF4
-    import numpy as np
     import pandas as pd
 
     import matex

@@ -12,7 +12,7 @@ range ``warn_if_untested()`` says so once.
 import importlib
 import warnings
 
-TESTED_KERAS = ((3, 10), (3, 15))   # inclusive minor-version range tested
+TESTED_KERAS = ((3, 15), (3, 15))   # inclusive minor-version range tested
 TESTED_TENSORFLOW = ((2, 21), (2, 21))
 
 # (module, attribute path) of every private name used below; check() verifies each

@@ -149,17 +149,17 @@ def test_import_swap_example_writes_once_prints_once_and_reloads(tmp_path):
     rows = (rank_dirs[0] / "out" / "log.csv").read_text().strip().splitlines()
     assert len(rows) == 4                                # header + 3 epochs, written once
     lines = proc.stdout.splitlines()
-    rank1 = [l for l in lines if l.startswith("[rank 1]")]
-    assert not any("Epoch" in l or "step" in l or "\u2501" in l for l in rank1), rank1
-    assert any(l.startswith("Epoch 1/3") for l in lines)
-    assert any("\u2501" in l and "step" in l for l in lines)     # rank 0's progress bar
+    rank1 = [line for line in lines if line.startswith("[rank 1]")]
+    assert not any("Epoch" in line or "step" in line or "\u2501" in line for line in rank1), rank1
+    assert any(line.startswith("Epoch 1/3") for line in lines)
+    assert any("\u2501" in line and "step" in line for line in lines)     # rank 0's progress bar
     assert "[rank 1] restored model agrees: True" in lines
-    accuracy = [float(l.split()[-1]) for l in lines if "test accuracy" in l]
+    accuracy = [float(line.split()[-1]) for line in lines if "test accuracy" in line]
     assert len(accuracy) == 2 and accuracy[0] == accuracy[1] and accuracy[0] > 0.6
 
 
 def _last_number(text, prefix):
-    return [float(l.split()[-1]) for l in text.splitlines() if l.startswith(prefix)]
+    return [float(line.split()[-1]) for line in text.splitlines() if line.startswith(prefix)]
 
 
 @pytest.mark.parametrize("example,key,rtol", [

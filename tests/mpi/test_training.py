@@ -1,6 +1,5 @@
 """Data-parallel training on several ranks: averaged gradients, identical weights."""
 
-import os
 
 import keras
 import numpy as np

@@ -5,9 +5,10 @@ Usage: keras_fit.py OUT.json KINDS N_SAMPLES BATCH [shuffle] [unseeded]
 KINDS: comma-separated arrays | dataset | generator | pydataset; each trains
 its own model on that kind of input, with validation (arrays:
 validation_split=0.25; dataset: a tf.data dataset; generator: arrays;
-pydataset: a PyDataset; the last three of separate samples). Column 0 of x is the sample id; a layer counts,
-inside the model and per epoch, which samples each rank trained on (and at
-which step of the epoch) and validated on.
+pydataset: a PyDataset; the last three of separate samples). Column 0 of x
+is the sample id; a layer counts, inside the model and per epoch, which
+samples each rank trained on (and at which step of the epoch) and validated
+on.
 
 Seeding: by default each process seeds Keras with its rank
 (OMPI_COMM_WORLD_RANK, 0 alone), so ranks build different initial weights
