@@ -89,6 +89,12 @@ def _run(argv):
     from matex import _resilience
 
     if _resilience.mode() == "ulfm":
+        # Answer now what would fork later: TensorFlow's import (through h5py)
+        # asks `platform` for the processor, which runs `uname -p` once; after
+        # MPI_Init a fork is unsafe on RDMA fabrics.
+        import platform
+
+        platform.processor()
         # MPI starts now, with the thread that keeps heartbeats flowing while
         # the script imports TensorFlow and computes.
         from matex import _runtime

@@ -35,6 +35,8 @@ REQUIRED = (
     ("keras.src.utils.file_utils", "remove"),
     ("keras.src.models.model", "Model._flatten_layers"),
     ("keras.src.callbacks.backup_and_restore", "BackupAndRestore._save_model"),
+    ("keras.src.backend.tensorflow.nn", "_compute_moments_sync"),
+    ("keras.src.backend.common.global_state", "get_global_attribute"),
 )
 
 # private attributes of instances, set in __init__ (checked on a fresh instance by the test)
@@ -166,6 +168,21 @@ def disable_backup_writes(callback):
     """Make a ``BackupAndRestore`` write nothing (it still restores)."""
     callback._save_model = lambda *a, **k: None
     callback.on_train_end = lambda logs=None: None
+
+
+MOMENTS_SYNC_NAME = "_compute_moments_sync"   # what moments(..., synchronized=True) calls
+
+
+def keras_tf_nn():
+    """Keras's TensorFlow backend ``nn`` module (whose synchronised moments MaTEx replaces)."""
+    return importlib.import_module("keras.src.backend.tensorflow.nn")
+
+
+def in_layer_call():
+    """Whether a Keras ``Layer.__call__`` is running in this thread (its call context)."""
+    from keras.src.backend.common import global_state
+
+    return global_state.get_global_attribute("current_call_ctx") is not None
 
 
 def learning_rate_object(optimizer):

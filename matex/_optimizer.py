@@ -142,6 +142,12 @@ class rows_of_step:
         if self.state is not None:
             self.state.rows = None
 
+    @property
+    def rows(self):
+        """The rows the optimizer weights by in this block, or None (not weighted)."""
+        state = self.state
+        return state.rows if state is not None and state.op == "average" else None
+
 
 def _has_value(variable):
     """Whether a (Keras or tf) variable can be read eagerly right now."""

@@ -15,12 +15,13 @@ added back in float64 before the allreduce, so the global variance does not
 suffer the float32 cancellation of E[x^2] - E[x]^2.
 
 Gradient weights: ``fit`` weights each rank's gradient by its rows r/R (see
-``_optimizer.rows_of_step``). The backward pass of the statistics' allreduce
-then sums the ranks' incoming gradients weighted by rows and divides by this
-rank's rows, so that after the optimizer's row weighting the result is the
-exact global-batch gradient also when slices differ (or one is empty). Outside
-a row-weighted step (custom loops) the plain sum is used, which is exact for
-the optimizer's plain average.
+``_optimizer.rows_of_step``, published here by ``weighted_by``). The backward
+pass of the statistics' allreduce then sums the ranks' incoming gradients
+weighted by rows and divides by this rank's rows, so that after the
+optimizer's row weighting the result is the exact global-batch gradient also
+when slices differ (or one is empty). Outside a row-weighted step (custom
+loops) the plain sum is used, which is exact for the optimizer's plain
+average.
 
 Layers without ``synchronized=True`` are untouched (per-rank statistics).
 Inside a real ``tf.distribute`` strategy, and in a single process, Keras's own
@@ -34,26 +35,12 @@ import threading
 
 import tensorflow as tf
 
-from matex import _collectives, _optimizer, _runtime
+from matex import _collectives, _compat, _runtime
 
 _log = logging.getLogger("matex")
 _lock = threading.Lock()
 _installed = False
 _rows = threading.local()   # .stack: this rank's rows of the row-weighted steps being traced
-
-
-# ---- private Keras names (to move into matex._compat) -----------------------
-
-def _keras_tf_nn():
-    """Keras's TensorFlow backend ``nn`` module (private: keras.src.backend.tensorflow.nn)."""
-    from keras.src.backend.tensorflow import nn
-
-    return nn
-
-
-def _moments_sync_name():
-    """Name of the backend function ``moments(..., synchronized=True)`` calls (private)."""
-    return "_compute_moments_sync"
 
 
 # ---- synchronised moments ----------------------------------------------------
@@ -146,36 +133,11 @@ def _moments_sync(original):
 
 # ---- which steps are row-weighted --------------------------------------------
 
-def _hook_row_weighting():
-    """Record, while ``_optimizer.rows_of_step`` is active, the rows it weights by.
-
-    Temporary: until fit's train step tells this module itself (``weighted_by``).
-    """
-    cls = _optimizer.rows_of_step
-    if getattr(cls, "_matex_batchnorm_hook", False):
-        return
-    enter, leave = cls.__enter__, cls.__exit__
-
-    def __enter__(self):
-        result = enter(self)
-        state = getattr(self, "state", None)
-        weighted = state is not None and state.rows is not None and state.op == "average"
-        _row_stack().append(state.rows if weighted else None)
-        return result
-
-    def __exit__(self, *exc):
-        _row_stack().pop()
-        return leave(self, *exc)
-
-    cls.__enter__, cls.__exit__ = __enter__, __exit__
-    cls._matex_batchnorm_hook = True
-
-
 class weighted_by:
     """Within this block the optimizer weights gradients by ``rows`` (this rank's rows).
 
-    For fit's train step, in place of ``_hook_row_weighting``:
-    ``with batchnorm.weighted_by(rows): ...`` around the traced step.
+    ``fit``'s train step enters it with the rows ``_optimizer.rows_of_step``
+    weights by (None: not weighted).
     """
 
     def __init__(self, rows):
@@ -195,13 +157,12 @@ def install() -> None:
     with _lock:
         if _installed:
             return
-        nn = _keras_tf_nn()
-        name = _moments_sync_name()
+        nn = _compat.keras_tf_nn()
+        name = _compat.MOMENTS_SYNC_NAME
         original = getattr(nn, name, None)
         if original is None:
             _log.warning("matex: this Keras has no %s.%s; BatchNormalization(synchronized=True) "
                          "uses per-rank statistics", nn.__name__, name)
         elif getattr(original, "_matex_original", None) is None:
             setattr(nn, name, _moments_sync(original))
-        _hook_row_weighting()
         _installed = True

@@ -3,7 +3,8 @@
 import threading
 
 from matex import _compat, _runtime
-from matex._keras import checkpoint, fit, inference, metrics, optimizers, output
+from matex._keras import (batchnorm, checkpoint, fit, inference, metrics, optimizers, output,
+                          randomness)
 from matex._keras.calls import patch
 
 _lock = threading.Lock()
@@ -49,4 +50,6 @@ def install():
                 namespace.save_model = saving.save_model
             if getattr(namespace, "load_model", None) is original_load:
                 namespace.load_model = saving.load_model
+        batchnorm.install()    # BatchNormalization(synchronized=True) over the ranks
+        randomness.install()   # dropout & co.: a stream per rank
         _installed = True

@@ -69,6 +69,7 @@ class AverageMovingStatistics(keras.callbacks.Callback):
         self.trained = False
         stats = [v for layer in _compat.flatten_layers(self.model)
                  if isinstance(layer, keras.layers.BatchNormalization) and layer.built
+                 and not layer.synchronized   # those are equal on every rank already
                  for v in (layer.moving_mean, layer.moving_variance)]
         if stats and _runtime.size() > 1:
             for v, mean in zip(stats, _collectives.grouped_allreduce(

@@ -3,6 +3,7 @@
 import functools
 
 from matex import _optimizer
+from matex._keras import batchnorm
 from matex._keras.calls import bind
 
 
@@ -40,7 +41,8 @@ def train_step_wrapper(original):
     def step(self, data):
         if not getattr(self, "_matex_weighted", False):
             return original(self, data)
-        with _optimizer.rows_of_step(self.optimizer, data):
-            return original(self, data)
+        with _optimizer.rows_of_step(self.optimizer, data) as step:
+            with batchnorm.weighted_by(step.rows):   # synchronised BN's gradient weights
+                return original(self, data)
 
     return step

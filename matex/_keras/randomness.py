@@ -27,17 +27,10 @@ import threading
 
 import tensorflow as tf
 
+from matex import _compat
+
 _lock = threading.Lock()
 _installed = False
-
-
-# ---- private Keras names (to move into matex._compat) -----------------------
-
-def _in_layer_call() -> bool:
-    """Whether a Keras ``Layer.__call__`` is running in this thread (private call context)."""
-    from keras.src.backend.common import global_state
-
-    return global_state.get_global_attribute("current_call_ctx") is not None
 
 
 # ---- the patch ---------------------------------------------------------------
@@ -64,7 +57,7 @@ def _next(original, rank):
     @functools.wraps(original)
     def next_seed(self, ordered=True):
         seed = original(self, ordered)
-        if not _in_layer_call() or not isinstance(seed, (tf.Tensor, tf.Variable)):
+        if not _compat.in_layer_call() or not isinstance(seed, (tf.Tensor, tf.Variable)):
             return seed   # shared randomness, or another backend's generator
         return rank_seed(seed, rank)
 

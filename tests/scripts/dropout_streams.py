@@ -28,9 +28,6 @@ import keras
 import numpy as np
 import tensorflow as tf
 
-from matex._keras import randomness
-
-randomness.install()   # until the Keras patch table installs it
 
 out = sys.argv[1]
 rank = int(os.environ.get("OMPI_COMM_WORLD_RANK", "0"))

@@ -27,9 +27,6 @@ import numpy as np
 import tensorflow as tf
 
 import matex
-from matex._keras import batchnorm
-
-batchnorm.install()   # until the Keras patch table installs it
 
 out = sys.argv[1]
 n = int(sys.argv[2]) if len(sys.argv) > 2 else 61
