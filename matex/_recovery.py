@@ -44,8 +44,8 @@ def _snapshot(variables):
     """
     import tensorflow as tf
 
-    return [v.numpy() if int(np.prod(v.shape)) * v.value.dtype.size < _COPY_BELOW_BYTES
-            else tf.convert_to_tensor(v) for v in variables]
+    return [v.numpy() if int(np.prod(v.shape)) * tf.as_dtype(v.dtype).size < _COPY_BELOW_BYTES
+            else tf.convert_to_tensor(v) for v in variables]   # Keras or tf variables
 
 
 class State:
