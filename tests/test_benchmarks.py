@@ -81,10 +81,11 @@ def test_allreduce(tmp_path):
 def test_small_tensors(tmp_path):
     stdout, results = run_driver("small_tensors", tmp_path)
     assert_finite_table(stdout)
-    assert len(table_rows(stdout)) == 5
-    assert_targets(stdout, 1)
+    assert len(table_rows(stdout)) == 7
+    assert_targets(stdout, 3)
     calls = results["worker"]["mpi_calls"]
     assert calls["none"] == 0
+    assert calls["sync"] == calls["bytes"] == calls["fused"]   # one checked allreduce each
     assert 0 < calls["fused"] < calls["unfused"]
     assert calls["fused_nocheck"] < calls["fused"]
     assert calls["unfused_nocheck"] < calls["unfused"]
