@@ -23,12 +23,13 @@ if _config.ft_requested():
     _mpi4py.rc.finalize = False
 
 from matex._runtime import comm, init, local_rank, local_size, rank, size  # noqa: E402
+from matex import errors  # noqa: E402 - typed errors; imports neither MPI nor TF
 
 __all__ = [
     "init", "rank", "size", "local_rank", "local_size", "comm",
     "allreduce", "broadcast", "allgather", "broadcast_variables",
     "DistributedOptimizer", "DistributedGradientTape", "mpi_error_class", "shard", "is_sharded",
-    "on_rank_loss", "run_resilient",
+    "on_rank_loss", "run_resilient", "errors",
 ]
 
 _LAZY = {

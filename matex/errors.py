@@ -5,12 +5,16 @@ error is cheap. A failed collective reaches Python as a TensorFlow error
 whose payload carries the MPI error class (the C++ side never aborts);
 ``mpi_error_class`` reads it back, and ``is_rank_failure`` says whether the
 error means a peer died (``MPI_ERR_PROC_FAILED``) or the communicator was
-revoked because one did (``MPI_ERR_REVOKED``).
+revoked because one did (``MPI_ERR_REVOKED``). Ranks that disagree on the
+collective to run get a payload too: ``is_mismatch``. Nothing here reads
+message text.
 """
 
-__all__ = ["MatexError", "RankFailure", "MismatchError", "mpi_error_class", "is_rank_failure"]
+__all__ = ["MatexError", "RankFailure", "MismatchError", "mpi_error_class", "is_rank_failure",
+           "is_mismatch"]
 
 _PAYLOAD_KEYS = (b"matex.mpi_error_class", "matex.mpi_error_class")
+_MISMATCH_KEYS = (b"matex.mismatch", "matex.mismatch")
 
 
 class MatexError(RuntimeError):
@@ -39,6 +43,18 @@ def mpi_error_class(error):
     if callable(get_class):
         return get_class()
     return None
+
+
+def is_mismatch(error) -> bool:
+    """Whether ``error`` says the ranks disagreed on the collective to run.
+
+    The agreement check before every collective raises it on every rank (a
+    ``MismatchError``, or a TensorFlow error carrying the check's payload).
+    """
+    if isinstance(error, MismatchError):
+        return True
+    payloads = getattr(error, "experimental_payloads", None) or {}
+    return any(key in _MISMATCH_KEYS for key in payloads)
 
 
 def _failure_classes():

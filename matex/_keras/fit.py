@@ -16,7 +16,7 @@ from matex._keras import inputs, metrics
 from matex._keras.calls import bind, call
 from matex._keras.metrics import AverageMovingStatistics
 from matex._keras.output import explicit, quiet, rank0_callbacks
-from matex.errors import MismatchError
+from matex.errors import MismatchError, is_mismatch
 
 
 class _StepBegin(keras.callbacks.Callback):
@@ -43,9 +43,6 @@ class _StepBegin(keras.callbacks.Callback):
         self.steps += 1
 
 
-_DISAGREE = "ranks disagree on the collective to run"   # the agreement check's error
-
-
 def _check_equal_steps(error, step_begin):
     """Turn a collective mismatch caused by unequal step counts into a clear error.
 
@@ -55,7 +52,7 @@ def _check_equal_steps(error, step_begin):
     so every rank gets here and can say whether its data had ended. Returns
     the error to raise.
     """
-    if _DISAGREE not in str(error):
+    if not is_mismatch(error):
         return error
     ended = metrics.summing_after_data
     metrics.summing_after_data = False

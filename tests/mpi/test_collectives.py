@@ -222,6 +222,8 @@ def test_mismatch_fails_on_every_rank_quickly(what):
     assert time.time() - started < 10
     message = str(info.value)
     assert "ranks disagree" in message
+    assert matex.errors.is_mismatch(info.value)            # by payload, not by text
+    assert not matex.errors.is_rank_failure(info.value)
     for r in range(N):
         assert "rank %d:" % r in message
     # the communicator is still usable afterwards

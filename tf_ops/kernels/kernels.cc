@@ -5,7 +5,8 @@
 // status payload ("matex.mpi_error_class") and in the message. (Not
 // UNAVAILABLE: TensorFlow rewrites that code, dropping payloads, when it comes
 // from an op inside a nested function.) Ranks that disagree on a collective
-// get INVALID_ARGUMENT; other failures are INTERNAL without the payload.
+// get INVALID_ARGUMENT with the payload "matex.mismatch"; other failures are
+// INTERNAL without a payload.
 #include <sys/mman.h>
 
 #include <cstdint>
@@ -37,8 +38,11 @@ absl::Status ToTf(const matex::Status& s, const char* op) {
                     absl::Cord(absl::string_view(error_class)));
       return st;
     }
-    case matex::Status::Kind::kMismatch:
-      return absl::InvalidArgumentError(msg);
+    case matex::Status::Kind::kMismatch: {
+      absl::Status st = absl::InvalidArgumentError(msg);
+      st.SetPayload("matex.mismatch", absl::Cord(absl::string_view("1")));
+      return st;
+    }
     default:
       return absl::InternalError(msg);
   }
