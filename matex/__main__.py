@@ -25,6 +25,8 @@ import runpy
 import sys
 import traceback
 
+from matex import _config
+
 
 class _Prefixed:
     """A text stream that prefixes each line with the rank."""
@@ -58,13 +60,6 @@ def _quiet_tensorflow_startup():
         os.environ.setdefault(name, value)
 
 
-def _rank():
-    for var in ("OMPI_COMM_WORLD_RANK", "PMI_RANK", "PMIX_RANK", "SLURM_PROCID"):
-        if os.environ.get(var, "").isdigit():
-            return int(os.environ[var])
-    return 0
-
-
 def _run(argv):
     all_ranks = False
     while argv and argv[0].startswith("-"):
@@ -82,7 +77,7 @@ def _run(argv):
         print("matex: no such script: %s" % script, file=sys.stderr)
         return 2
     _quiet_tensorflow_startup()
-    rank = _rank()
+    rank = _config.launched_rank()
     if rank != 0:
         sys.stdout = _Prefixed(sys.stdout, "[rank %d] " % rank) if all_ranks else open(
             os.devnull, "w")

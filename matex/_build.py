@@ -37,6 +37,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from matex import _config
+
 
 class BuildError(RuntimeError):
     """The op library cannot be built; the message names what is missing."""
@@ -54,7 +56,7 @@ def _source_dir():
 
 def build_root():
     """Directory under which the compiled libraries are cached."""
-    root = os.environ.get("MATEX_BUILD_DIR")
+    root = _config.build_dir()
     if root:
         return Path(root)
     return Path(sys.prefix) / "share" / "matex" / "build"
@@ -130,7 +132,7 @@ def _mpi_include_places(libmpi):
     """``(explicit, candidate include dirs, mpicc wrappers)`` for ``libmpi``; no subprocess."""
     libdir = Path(libmpi).resolve().parent
     prefix = libdir.parent
-    explicit = os.environ.get("MATEX_MPI_INCLUDE")
+    explicit = _config.mpi_include()
     candidates = [explicit] if explicit else []
     candidates += [str(prefix / "include"), str(prefix / "include" / "openmpi"),
                    str(libdir / "openmpi" / "include"),      # Debian/Ubuntu multiarch

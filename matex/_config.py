@@ -78,6 +78,26 @@ def status_dir(env=None):
     return (os.environ if env is None else env).get(STATUS_DIR_VAR) or None
 
 
+def build_dir():
+    """``MATEX_BUILD_DIR``: where compiled libraries are cached (None: under the venv)."""
+    return _get("MATEX_BUILD_DIR") or None
+
+
+def mpi_include():
+    """``MATEX_MPI_INCLUDE``: the directory holding the MPI's ``mpi.h``, when given."""
+    return _get("MATEX_MPI_INCLUDE") or None
+
+
+def mpiexec():
+    """``MATEX_MPIEXEC``: the mpiexec matexrun runs, when given."""
+    return _get("MATEX_MPIEXEC") or None
+
+
+def reader_memory():
+    """``MATEX_READER_MEMORY``: a DataSet's memory budget per rank ("512M", "2G"), or None."""
+    return os.environ.get("MATEX_READER_MEMORY")
+
+
 DEFAULT_FUSION_THRESHOLD = 16 * 1024 * 1024
 
 

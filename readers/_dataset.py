@@ -9,6 +9,7 @@ from concurrent.futures import ThreadPoolExecutor
 import numpy as np
 
 import matex
+from matex import _config
 
 from . import _partition
 from ._errors import ReaderError, agreed
@@ -35,7 +36,7 @@ def budget_bytes(value=None):
     4 GiB.
     """
     if value is None:
-        value = os.environ.get("MATEX_READER_MEMORY")
+        value = _config.reader_memory()
     if value is None:
         total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
         return int(min(total // 4 // max(matex.local_size(), 1), 4 << 30))

@@ -16,6 +16,8 @@ import subprocess
 import sys
 from collections.abc import Mapping, Sequence
 
+from matex import _config
+
 DEFAULT_HEARTBEAT = 0.5
 
 
@@ -32,8 +34,8 @@ def _mpi_prefix():
 
 def find_mpiexec() -> str:
     """Path of the ``mpiexec`` matching mpi4py's MPI (``MATEX_MPIEXEC`` overrides)."""
-    if os.environ.get("MATEX_MPIEXEC"):
-        return os.environ["MATEX_MPIEXEC"]
+    if _config.mpiexec():
+        return _config.mpiexec()
     candidates = []
     prefix = _mpi_prefix()
     if prefix:
