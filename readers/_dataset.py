@@ -9,7 +9,7 @@ from concurrent.futures import ThreadPoolExecutor
 import numpy as np
 
 import matex
-from matex import _config
+from matex import _config, _runtime
 
 from . import _partition
 from ._errors import ReaderError, agreed
@@ -149,7 +149,7 @@ class DataSet:
             raise ReaderError("validation_split must be in [0, 1), got %r" % (validation_split,))
         self.per_rank_batch_size = _per_rank_batch(batch_size, per_rank_batch_size)
         self.shuffle, self.seed = bool(shuffle), int(seed)
-        self.memory_budget = matex.comm().allreduce(agreed(budget_bytes, memory_budget),
+        self.memory_budget = _runtime.control().allreduce(agreed(budget_bytes, memory_budget),
                                                     op=_mpi_min())
         self._lock = threading.Lock()
         self._epoch, self._current, self._resume = 0, None, None
@@ -189,7 +189,7 @@ class DataSet:
     def _open_csv(self, features, labels, header, delimiter, budget):
         from ._csv import CsvTable, Layout, merge, scan
 
-        comm = matex.comm()
+        comm = _runtime.control()   # MaTEx's own messages, apart from data collectives
         layout = agreed(Layout, self.paths, features, labels, header, delimiter)
         block = int(min(4 << 20, max(64 << 10, budget // 128)))
         blocks, error, parsed = agreed(scan, layout, comm.Get_rank(), comm.Get_size(), block,
@@ -443,7 +443,7 @@ class DataSet:
         rest of the epoch; later ones are whole epochs again. Returns the
         number of steps of that rest.
         """
-        comm = matex.comm()
+        comm = _runtime.control()   # MaTEx's own messages, apart from data collectives
         steps = int(consumed_steps)
         reported = comm.allgather(steps)
         if len(set(reported)) > 1:
@@ -488,7 +488,7 @@ def _per_rank_batch(batch_size, per_rank_batch_size):
         per_rank = _check_batch(batch_size, per_rank_batch_size, size)
     except ReaderError as exc:
         error = str(exc)
-    everyone = matex.comm().allgather((error, per_rank))
+    everyone = _runtime.control().allgather((error, per_rank))
     first = next((e for e, _ in everyone if e is not None), None)
     if first is not None:
         raise ReaderError(first)

@@ -1,6 +1,6 @@
 """ReaderError, and the collective agreement that raises it on every rank alike."""
 
-import matex
+from matex import _runtime
 
 
 class ReaderError(ValueError):
@@ -25,7 +25,7 @@ def agreed(fn, *args, discard=None, **kwargs):
         message, error = str(exc), exc
     except Exception as exc:  # noqa: BLE001 - any failure must reach every rank
         message, error = "%s: %s" % (type(exc).__name__, exc), exc
-    messages = matex.comm().allgather(message)
+    messages = _runtime.control().allgather(message)   # apart from data collectives
     first = next((m for m in messages if m is not None), None)
     if first is None:
         return result
