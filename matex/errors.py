@@ -33,12 +33,17 @@ class MismatchError(MatexError):
     """Ranks disagree: replicas that must be identical differ, or ranks did different work."""
 
 
+def _payload(error, keys):
+    """The value of the first of ``keys`` among a TensorFlow error's payloads, or None."""
+    payloads = getattr(error, "experimental_payloads", None) or {}
+    return next((value for key, value in payloads.items() if key in keys), None)
+
+
 def mpi_error_class(error):
     """The MPI error class carried by ``error`` (a MaTEx op error or ``MPI.Exception``), or None."""
-    payloads = getattr(error, "experimental_payloads", None) or {}
-    for key, value in payloads.items():
-        if key in _PAYLOAD_KEYS:
-            return int(value)
+    value = _payload(error, _PAYLOAD_KEYS)
+    if value is not None:
+        return int(value)
     get_class = getattr(error, "Get_error_class", None)
     if callable(get_class):
         return get_class()
@@ -51,10 +56,7 @@ def is_mismatch(error) -> bool:
     The agreement check before every collective raises it on every rank (a
     ``MismatchError``, or a TensorFlow error carrying the check's payload).
     """
-    if isinstance(error, MismatchError):
-        return True
-    payloads = getattr(error, "experimental_payloads", None) or {}
-    return any(key in _MISMATCH_KEYS for key in payloads)
+    return isinstance(error, MismatchError) or _payload(error, _MISMATCH_KEYS) is not None
 
 
 def _failure_classes():
