@@ -107,6 +107,7 @@ def _run(argv):
             _transparent.seed_script_rngs()
         # (launcher unknown: seeded when Keras is imported, see matex._keras.install)
         _transparent.after_import("keras", _install_keras_patch)
+        _transparent.after_import("keras_tuner", _install_tuner_hook)
         runpy.run_path(script, run_name="__main__")
     except SystemExit as exc:
         code = exc.code
@@ -123,6 +124,13 @@ def _run(argv):
 
 def _install_keras_patch(module):
     from matex._keras.install import install
+
+    install()
+
+
+def _install_tuner_hook(module):
+    # Keras Tuner's tuners run distributed: groups of MATEX_RANKS_PER_TRIAL ranks
+    from matex.hpo._tuner import install
 
     install()
 

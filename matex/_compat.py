@@ -14,6 +14,7 @@ import warnings
 
 TESTED_KERAS = ((3, 15), (3, 15))   # inclusive minor-version range tested
 TESTED_TENSORFLOW = ((2, 21), (2, 21))
+TESTED_KERAS_TUNER = ((1, 4), (1, 4))   # keras-tuner 1.4.8 tested (matex.hpo)
 
 # (module, attribute path) of every private name used below; check() verifies each
 REQUIRED = (
@@ -37,6 +38,18 @@ REQUIRED = (
     ("keras.src.callbacks.backup_and_restore", "BackupAndRestore._save_model"),
     ("keras.src.backend.tensorflow.nn", "_compute_moments_sync"),
     ("keras.src.backend.common.global_state", "get_global_attribute"),
+    # keras-tuner (matex.hpo): the tuner's search loop, the oracle's bookkeeping, its JSON writer
+    ("keras_tuner.src.engine.base_tuner", "BaseTuner.__init__"),
+    ("keras_tuner.src.engine.base_tuner", "BaseTuner.search"),
+    ("keras_tuner.src.engine.base_tuner", "BaseTuner.save"),
+    ("keras_tuner.src.engine.base_tuner", "BaseTuner.get_trial_dir"),
+    ("keras_tuner.src.engine.base_tuner", "BaseTuner.project_dir"),
+    ("keras_tuner.src.engine.oracle", "Oracle._set_project_dir"),
+    ("keras_tuner.src.engine.trial", "Trial.from_state"),
+    ("keras_tuner.src.utils", "save_json"),
+    # keras-tuner (matex.hpo's oracles): random points and the record of points tried
+    ("keras_tuner.src.engine.oracle", "Oracle._random_values"),
+    ("keras_tuner.src.engine.oracle", "Oracle._duplicate"),
 )
 
 # private attributes of instances, set in __init__ (checked on a fresh instance by the test)
@@ -44,6 +57,7 @@ BACKUP_ATTRIBUTES = ("_weights_path", "_training_metadata_path", "_prev_weights_
                      "_prev_training_metadata_path", "_current_epoch", "_last_batch_seen")
 OPTIMIZER_ATTRIBUTES = ("_learning_rate", "_trainable_variables")
 MODEL_ATTRIBUTES = ("_jit_compile", "_initial_epoch")
+ORACLE_ATTRIBUTES = ("_retry_queue", "_run_times", "end_order", "ongoing_trials", "trials")
 EVALUATE_CACHED_KEYWORD = "_use_cached_eval_dataset"   # fit -> evaluate: reuse the val iterator
 
 
@@ -206,3 +220,44 @@ def set_jit_compile(model, value):
 def make_function(model, step):
     """Keras's wrapper turning a one-batch ``step`` into ``fit``'s train function."""
     return model._make_function(step)
+
+
+# ---- keras-tuner (matex.hpo) ---------------------------------------------------------------
+
+def base_tuner_class():
+    """Keras Tuner's ``BaseTuner``: every tuner's ``__init__``, ``search`` and files."""
+    return _resolve("keras_tuner.src.engine.base_tuner", "BaseTuner")
+
+
+def kt_utils():
+    """The module whose ``save_json`` writes every oracle, trial and tuner file."""
+    return importlib.import_module("keras_tuner.src.utils")
+
+
+def set_oracle_project_dir(oracle, directory, project_name):
+    """Point an oracle at its project directory (what ``BaseTuner.__init__`` does)."""
+    oracle._set_project_dir(directory, project_name)
+
+
+def oracle_retry_queue(oracle):
+    """Ids of the trials an oracle will hand out again before new ones (a list)."""
+    return oracle._retry_queue
+
+
+def oracle_run_times(oracle):
+    """How many times each trial id has run (a defaultdict)."""
+    return oracle._run_times
+
+
+def oracle_random_values(oracle):
+    """A random point of the oracle's space (active hyperparameters only), one not tried yet.
+
+    Keras Tuner's own sampler (it advances the oracle's saved seed, so a resumed
+    search draws what an uninterrupted one would); None when it keeps colliding.
+    """
+    return oracle._random_values()
+
+
+def oracle_has_tried(oracle, values):
+    """Whether the oracle has already handed out (or run) these hyperparameter values."""
+    return oracle._duplicate(values)

@@ -114,3 +114,9 @@ def start_timeout() -> float:
     an error instead.
     """
     return _number("MATEX_START_TIMEOUT", 600.0, float, 0.001)
+
+
+def ranks_per_trial():
+    """``MATEX_RANKS_PER_TRIAL`` (set by ``matexrun --ranks-per-trial``): ranks that train one
+    hyperparameter-search trial together, or None when not set."""
+    return _number("MATEX_RANKS_PER_TRIAL", None, int, 1)

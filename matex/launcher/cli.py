@@ -179,6 +179,9 @@ def main(argv: Sequence[str] | None = None) -> int:
                         help="where --restart keeps its checkpoints (default ./matex-checkpoint)")
     parser.add_argument("--inject-fault", metavar="SPEC",
                         help='inject faults, e.g. "rank=2,step=30,kind=kill" (see matex._faults)')
+    parser.add_argument("--ranks-per-trial", type=int, default=None, metavar="K",
+                        help="hyperparameter search (Keras Tuner, matex.hpo): ranks that train "
+                             "one trial together, data-parallel; must divide -n (default: all)")
     parser.add_argument("--mpi-arg", action="append", default=[], metavar="ARG",
                         help="extra argument for mpiexec (repeatable)")
     _add_cluster_options(parser)
@@ -208,6 +211,15 @@ def main(argv: Sequence[str] | None = None) -> int:
         env["MATEX_INJECT_FAULT"] = opts.inject_fault
         if "MATEX_INJECT_FAULT" not in cluster_args:
             mpi_args = ["-x", "MATEX_INJECT_FAULT"] + mpi_args
+    if opts.ranks_per_trial is not None:
+        if opts.ranks_per_trial < 1:
+            parser.error("--ranks-per-trial must be at least 1")
+        if nranks % opts.ranks_per_trial:
+            parser.error("--ranks-per-trial %d does not divide the number of ranks (%d)"
+                         % (opts.ranks_per_trial, nranks))
+        env["MATEX_RANKS_PER_TRIAL"] = str(opts.ranks_per_trial)
+        if "MATEX_RANKS_PER_TRIAL" not in cluster_args:
+            mpi_args = ["-x", "MATEX_RANKS_PER_TRIAL"] + mpi_args
     if opts.restart:
         if opts.ft:
             parser.error("--restart is the fallback without ULFM; do not combine it with --ft")

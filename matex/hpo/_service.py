@@ -1,0 +1,234 @@
+"""The oracle served over MPI: one rank owns it, every other rank asks it.
+
+The owner (service rank 0) answers requests from a background thread: a
+request is ``(op, args)`` sent with tag ``REQUEST``, the answer ``(ok,
+value)`` comes back with tag ``REPLY``. The owner's own calls go to the same
+handler under the same lock, so its main thread (which trains trials too)
+and the service thread never touch the oracle at once. Trials travel as
+``Trial.get_state()`` dictionaries; files a trial wrote on another rank
+travel with its ``end_trial`` and are written by the owner, atomically.
+
+The thread polls (``Iprobe`` and a short sleep): a blocking receive from any
+source could not be stopped at the end of the search, and under ULFM a
+failed peer must not end the service (its error is acknowledged and the
+service goes on).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import time
+import traceback
+
+REQUEST, REPLY = 7101, 7102
+POLL_SECONDS = 0.002
+
+log = logging.getLogger("matex.hpo")
+
+
+def trial_from_state(state):
+    from keras_tuner.src.engine import trial as trial_module
+
+    return trial_module.Trial.from_state(state)
+
+
+def write_atomically(path: str, data: bytes):
+    """Write ``data`` to ``path`` through a temporary file and a rename (never half-written)."""
+    directory = os.path.dirname(path)
+    if directory:
+        os.makedirs(directory, exist_ok=True)
+    tmp = "%s.incoming-%d" % (path, os.getpid())
+    with open(tmp, "wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def read_tree(directory: str) -> dict:
+    """Every file under ``directory``: relative path -> bytes."""
+    files = {}
+    for root, _, names in os.walk(directory):
+        for name in names:
+            path = os.path.join(root, name)
+            with open(path, "rb") as f:
+                files[os.path.relpath(path, directory)] = f.read()
+    return files
+
+
+class Handler:
+    """The owner's side: the real oracle behind a lock, one method per request."""
+
+    def __init__(self, oracle, trial_dir, groups: int):
+        self.oracle, self.trial_dir = oracle, trial_dir
+        self.lock = threading.RLock()
+        self.stopped = set()          # tuner ids told STOPPED
+        self.groups = groups
+
+    def __call__(self, op, args):
+        with self.lock:
+            return getattr(self, "op_" + op)(*args)
+
+    def op_create_trial(self, tuner_id):
+        trial = self.oracle.create_trial(tuner_id)
+        if trial.status == "STOPPED":
+            self.stopped.add(tuner_id)
+        return trial.get_state()
+
+    def op_update_trial(self, trial_id, metrics, step):
+        return self.oracle.update_trial(trial_id, metrics, step=step).get_state()
+
+    def op_end_trial(self, state, files):
+        trial = trial_from_state(state)
+        known = self.oracle.trials.get(trial.trial_id)
+        if known is not None and known.status in ("COMPLETED", "FAILED") and \
+                trial.trial_id in self.oracle.end_order:
+            return None   # already recorded (a report resent after a takeover)
+        if files:
+            directory = self.trial_dir(trial.trial_id)
+            for name, data in files.items():
+                write_atomically(os.path.join(directory, name), data)
+        self.oracle.end_trial(trial)
+        # Keras Tuner saves before it drops the trial from the ongoing ones (its tuner saves
+        # again afterwards): save the state where the trial is no longer running
+        self.oracle.save()
+        return None
+
+    def op_get_trial(self, trial_id):
+        return self.oracle.get_trial(trial_id).get_state()
+
+    def op_get_best_trials(self, n):
+        return [t.get_state() for t in self.oracle.get_best_trials(n)]
+
+    def op_get_space(self):
+        return self.oracle.get_space().get_config()
+
+    def op_update_space(self, config):
+        from keras_tuner import HyperParameters
+
+        self.oracle.update_space(HyperParameters.from_config(config))
+
+    def op_remaining_trials(self):
+        return self.oracle.remaining_trials()
+
+    def requeue(self, tuner_ids):
+        """Trials of groups with no rank left go back to the queue (run again, not counted)."""
+        from matex import _compat
+
+        with self.lock:
+            for tuner_id in tuner_ids:
+                trial = self.oracle.ongoing_trials.pop(tuner_id, None)
+                self.stopped.add(tuner_id)
+                if trial is not None and trial.trial_id not in self.oracle.end_order:
+                    log.warning("matex.hpo: %s lost all its ranks; trial %s goes back to "
+                                "the queue", tuner_id, trial.trial_id)
+                    _compat.oracle_retry_queue(self.oracle).append(trial.trial_id)
+                    self.oracle.save()
+
+    def op_snapshot(self):
+        """Everything a rank needs to answer queries locally once the search is over."""
+        return {"trials": {i: t.get_state() for i, t in self.oracle.trials.items()},
+                "space": self.oracle.hyperparameters.get_config()}
+
+
+def forget_finished_retries(oracle):
+    """After a reload: never hand out again a trial whose result is already recorded.
+
+    Keras Tuner's reload sends every trial that was running to the retry
+    queue; one whose result was written just before the stop is not rerun.
+    """
+    from matex import _compat
+
+    queue = _compat.oracle_retry_queue(oracle)
+    queue[:] = [t for t in queue if t not in oracle.end_order]
+
+
+class Server:
+    """The owner's thread answering the other ranks over ``comm``."""
+
+    def __init__(self, comm, handler: Handler, on_failure=None):
+        self.comm, self.handler, self.on_failure = comm, handler, on_failure
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._serve, name="matex-oracle", daemon=True)
+        self.failed = set()   # service ranks known dead (ULFM)
+        self.error = None
+
+    def start(self):
+        self._thread.start()
+        return self
+
+    def stop(self):
+        self._stop.set()
+        self._thread.join()
+
+    def _serve(self):
+        from mpi4py import MPI
+
+        from matex.errors import is_rank_failure
+
+        status = MPI.Status()
+        while not self._stop.is_set():
+            try:
+                if not self.comm.Iprobe(MPI.ANY_SOURCE, REQUEST, status):
+                    time.sleep(POLL_SECONDS)
+                    continue
+                source = status.Get_source()
+                op, args = self.comm.recv(source=source, tag=REQUEST)
+            except MPI.Exception as exc:
+                if not is_rank_failure(exc):
+                    self.error = exc
+                    raise
+                self._acknowledge()
+                continue
+            try:
+                reply = (True, self.handler(op, args))
+            except Exception as exc:  # noqa: BLE001 - sent back, raised on the asking rank
+                reply = (False, "%s: %s\n%s" % (type(exc).__name__, exc, traceback.format_exc()))
+            try:
+                self.comm.send(reply, dest=source, tag=REPLY)
+            except MPI.Exception as exc:
+                if not is_rank_failure(exc):
+                    raise
+                self._acknowledge()   # the asking rank died meanwhile
+
+    def _acknowledge(self):
+        """Acknowledge failed peers so receives from any source work again (ULFM)."""
+        self.comm.Ack_failed()
+        self.failed |= set(failed_ranks(self.comm))
+        if self.on_failure is not None:
+            self.on_failure(self.failed)
+
+
+def failed_ranks(comm) -> list:
+    """Ranks of ``comm`` whose failure this rank has acknowledged (ULFM)."""
+    from mpi4py import MPI
+
+    failed, whole = comm.Get_failed(), comm.Get_group()
+    try:
+        return [r for r in MPI.Group.Translate_ranks(failed, list(range(failed.Get_size())), whole)
+                if r != MPI.UNDEFINED]
+    finally:
+        failed.Free()
+        whole.Free()
+
+
+class RemoteError(RuntimeError):
+    """The oracle's owner raised while answering this rank's request."""
+
+
+class Client:
+    """A rank's way to the oracle: local calls on the owner, MPI requests elsewhere."""
+
+    def __init__(self, comm, handler: Handler | None):
+        self.comm, self.handler = comm, handler
+
+    def __call__(self, op, *args):
+        if self.handler is not None:
+            return self.handler(op, args)
+        self.comm.send((op, args), dest=0, tag=REQUEST)
+        ok, value = self.comm.recv(source=0, tag=REPLY)
+        if not ok:
+            raise RemoteError("the oracle's owner (rank 0) failed on %s: %s" % (op, value))
+        return value

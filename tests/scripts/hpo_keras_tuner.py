@@ -1,0 +1,108 @@
+"""An ordinary Keras Tuner RandomSearch script (nothing MaTEx in the search itself).
+
+    python -m matex tests/scripts/hpo_keras_tuner.py OUT DIRECTORY [max_trials] [overwrite]
+
+What the test checks is recorded on the side, per world rank, in OUT.<rank>.json:
+every fit this rank ran (hyperparameters, the size of the communicator it ran
+on, a digest of the trained weights), the best hyperparameters and the best
+model's weights digest as this rank sees them, and every file this process
+wrote or created under DIRECTORY (Python's audit hook sees opens, mkdir,
+rename/replace and removals; h5py's writes are recorded by wrapping h5py.File).
+"""
+
+import hashlib
+import json
+import os
+import sys
+
+import h5py
+import keras
+import keras_tuner as kt
+import numpy as np
+
+import matex
+
+out, directory = sys.argv[1], os.path.abspath(sys.argv[2])
+max_trials = int(sys.argv[3]) if len(sys.argv) > 3 else 6
+overwrite = len(sys.argv) <= 4 or sys.argv[4] == "overwrite"
+world_rank = int(os.environ.get("OMPI_COMM_WORLD_RANK", "0"))
+writes = set()
+
+
+def _audit(event, args):
+    if event == "open" and args[0] is not None and isinstance(args[0], (str, bytes)):
+        path, mode = os.fsdecode(args[0]), args[1]
+        if isinstance(mode, str) and any(c in mode for c in "wax+"):
+            writes.add(path)
+        elif isinstance(args[2], int) and args[2] & (os.O_WRONLY | os.O_RDWR | os.O_CREAT):
+            writes.add(path)
+    elif event in ("os.mkdir", "os.rename", "os.replace", "os.remove", "os.rmdir",
+                   "shutil.rmtree"):
+        writes.add(os.fsdecode(args[0]))
+
+
+sys.addaudithook(_audit)
+_h5_init = h5py.File.__init__
+
+
+def _h5_file(self, name, mode="r", *args, **kwargs):
+    if mode != "r":
+        writes.add(os.fsdecode(name))
+    return _h5_init(self, name, mode, *args, **kwargs)
+
+
+h5py.File.__init__ = _h5_file
+
+fits = []
+
+
+def digest(model):
+    h = hashlib.sha256()
+    for w in model.get_weights():
+        h.update(np.ascontiguousarray(w).tobytes())
+    return h.hexdigest()[:16]
+
+
+class Record(keras.callbacks.Callback):
+    def on_train_begin(self, logs=None):
+        self.epochs = []
+
+    def on_epoch_end(self, epoch, logs=None):
+        self.epochs.append(digest(self.model))
+
+    def on_train_end(self, logs=None):
+        fits.append({"hp": current["hp"], "size": matex.size(), "group_rank": matex.rank(),
+                     "digest": digest(self.model), "epochs": self.epochs})
+
+
+current = {}
+
+
+def build(hp):
+    units = hp.Int("units", 4, 64, step=4)
+    lr = hp.Float("lr", 1e-3, 1e-1, sampling="log")
+    current["hp"] = {"units": units, "lr": lr}
+    model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(units, activation="relu"),
+                              keras.layers.Dense(3, activation="softmax")])
+    model.compile(optimizer=keras.optimizers.Adam(lr), loss="sparse_categorical_crossentropy",
+                  metrics=["accuracy"])
+    return model
+
+
+rng = np.random.default_rng(0)
+x = rng.normal(size=(96, 4)).astype("float32")
+y = (x[:, 0] > 0).astype("int64") + (x[:, 1] > 0.5).astype("int64")
+tuner = kt.RandomSearch(build, objective="val_accuracy", max_trials=max_trials, seed=3,
+                        directory=directory, project_name="p", overwrite=overwrite)
+tuner.search(x, y, validation_split=0.25, epochs=2, batch_size=16, verbose=0,
+             callbacks=[Record()])
+best = tuner.get_best_hyperparameters(2)
+models = tuner.get_best_models(1)
+trials = tuner.oracle.get_best_trials(100)
+record = {"fits": fits, "best": [h.values for h in best], "best_digest": digest(models[0]),
+          "trials": {t.trial_id: {"status": t.status, "hp": t.hyperparameters.values,
+                                  "score": t.score} for t in trials},
+          "writes": sorted(p for p in writes if os.path.abspath(p).startswith(directory)),
+          "size": matex.size()}
+with open("%s.%d.json" % (out, world_rank), "w") as f:
+    json.dump(record, f)
