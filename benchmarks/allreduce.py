@@ -19,8 +19,9 @@ MPI barrier there: its busy-wait would slow the strategy's threads). Each
 figure is the median over rounds of a batch's time per call, the worse of the
 two ranks, then the median over ``--repeats`` runs.
 
-Targets (from the issue): matex <= 1.10x raw MPI from 1 MB up, <= +20 us at
-4 KB, and >= 10x faster than MultiWorkerMirroredStrategy up to 1 MB.
+Targets (from the issues): matex <= 1.10x raw MPI from 1 MB up, <= 1.05x at
+16-64 MB in tf.function, <= +20 us at 4 KB, and >= 10x faster than
+MultiWorkerMirroredStrategy up to 1 MB.
 """
 
 import _common
@@ -220,6 +221,15 @@ def _targets(mpi, mwms, quick):
             "matex %s <= 1.10x mpi4py from 1 MB up" % _label(mode), ratio <= 1.10,
             "worst %.2fx at %s; %.2fx without the agreement check%s"
             % (ratio, _common.size_label(worst), nocheck, floor)))
+    # the issue's bar for large tensors: N per tf.function call, so the call's
+    # own cost (~0.4 ms) is spread over N >= 8 collectives of >= 6 ms each
+    big = [n for n in sizes(quick) if n >= 16 << 20] or [max(sizes(quick))]
+    worst = max(big, key=lambda n: mpi[str(n)]["function"] / mpi[str(n)]["mpi"])
+    ratio = mpi[str(worst)]["function"] / mpi[str(worst)]["mpi"]
+    lines.append(_common.target(
+        "matex in tf.function <= 1.05x mpi4py at %s" % "-".join(
+            _common.size_label(n) for n in sorted({min(big), max(big)})),
+        ratio <= 1.05, "worst %.3fx at %s" % (ratio, _common.size_label(worst))))
     small = mpi[str(4 << 10)]
     for mode in ("eager", "function"):
         extra = small[mode] - small["mpi"]

@@ -69,7 +69,7 @@ def test_allreduce(tmp_path):
     stdout, results = run_driver("allreduce", tmp_path)
     assert_finite_table(stdout)
     assert len(table_rows(stdout)) == 3
-    assert_targets(stdout, 6)
+    assert_targets(stdout, 7)
     assert all(math.isfinite(n) and n > 0 for n in numbers(results["mpi"]["us"]))
     assert all(math.isfinite(n) and n > 0 for n in numbers(results["mwms"]["us"]))
     for row in results["mwms"]["us"].values():
@@ -103,3 +103,28 @@ def test_training_step(tmp_path):
                             "matex_fit_xla", "matex_loop", "mwms_loop"}
     assert all(math.isfinite(n) and n > 0 for n in numbers(figures))
     assert "jit_compile=True (split) / jit_compile=False" in stdout
+
+
+def test_scaling_driver(tmp_path):
+    stdout, results = run_driver("scaling", tmp_path, timeout=900)
+    assert_finite_table(stdout)
+    rows = table_rows(stdout)
+    assert [row[:3] for row in rows] == [["1", "weak", "128"], ["1", "strong", "128"],
+                                         ["2", "weak", "256"], ["2", "strong", "128"]]
+    assert rows[0][4] == rows[1][4] == "1.00"          # 1 rank is the efficiency's baseline
+    assert_targets(stdout, 2)
+    # --quick runs 1 and 2 ranks: the 16-rank targets say they were not measured
+    targets = [line for line in stdout.splitlines() if line.startswith("- ")]
+    assert all(": MISSED (not measured: largest run 2 ranks" in line for line in targets)
+    assert "Machine: " in stdout and "GPU" in stdout
+    assert set(results) == {"keras", "matex1", "mwms1", "matex2", "mwms2", "machine"}
+    assert results["machine"]["ranks"] == [1, 2]
+    assert set(results["matex1"]["samples_per_s"]) == {"strong_fit", "strong_loop"}
+    assert set(results["matex2"]["samples_per_s"]) == {
+        "weak_fit", "weak_loop", "strong_fit", "strong_loop"}
+    assert set(results["mwms2"]["samples_per_s"]) == {"weak_loop", "strong_loop"}
+    for name in ("keras", "matex1", "mwms1", "matex2", "mwms2"):
+        assert all(math.isfinite(n) and n > 0 for n in numbers(results[name]["samples_per_s"]))
+        # one core per rank, and no GPU seen by the CPU scaling runs
+        assert results[name]["cores_per_rank"] == 1, results[name]
+        assert results[name]["gpus_visible"] == 0, results[name]

@@ -243,33 +243,73 @@ std::string SignatureText(Kind kind, DataType dtype, int64_t param, const Shapes
   return t.str();
 }
 
-// One tiny allreduce: every rank learns whether all ranks are about to run the
-// same collective on tensors of the same dtype and shape. On disagreement all
-// ranks gather each other's descriptions and fail with the same message.
-Status Agree(MPI_Comm comm, Kind kind, DataType dtype, int64_t param, const Shapes& shapes) {
-  if (!g_check.load(std::memory_order_relaxed)) return Status::Ok();
-  // non-negative, so -h cannot overflow
-  int64_t h = int64_t(SignatureHash(kind, dtype, param, shapes) >> 2);
-  int64_t v[2] = {h, -h};
-  MATEX_COLL(MPI_Allreduce(MPI_IN_PLACE, v, 2, MPI_INT64_T, MPI_MAX, comm),
-            "MPI_Allreduce (agreement check)");
-  if (v[0] == -v[1]) return Status::Ok();
-  const int kLen = 160;
-  int size = 0;
-  MATEX_MPI(MPI_Comm_size(comm, &size), "MPI_Comm_size");
-  std::vector<char> mine(kLen, 0), all(size_t(kLen) * size, 0);
-  std::strncpy(mine.data(), SignatureText(kind, dtype, param, shapes).c_str(), kLen - 1);
-  MATEX_COLL(MPI_Allgather(mine.data(), kLen, MPI_CHAR, all.data(), kLen,
-                          MPI_CHAR, comm),
-            "MPI_Allgather (agreement report)");
-  std::ostringstream msg;
-  msg << "ranks disagree on the collective to run (a different op, dtype or "
-         "shape on some rank, or collectives issued in a different order): ";
-  for (int r = 0; r < size; ++r) {
-    msg << (r ? "; " : "") << "rank " << r << ": "
-        << std::string(all.data() + size_t(r) * kLen);
+// The agreement check: one tiny allreduce by which every rank learns whether
+// all ranks are about to run the same collective on tensors of the same dtype
+// and shape. It is non-blocking so that a collective with work to do before
+// its MPI call (the fused allreduce's packing) overlaps the two: the ranks'
+// meeting in the check then costs no more than the packing it hides behind.
+// On disagreement all ranks gather each other's descriptions and fail with the
+// same message, before any rank issues the data collective.
+class Agreement {
+ public:
+  Agreement(Kind kind, DataType dtype, int64_t param, const Shapes& shapes)
+      : kind_(kind), dtype_(dtype), param_(param), shapes_(shapes) {}
+  Agreement(const Agreement&) = delete;
+  Agreement& operator=(const Agreement&) = delete;
+  ~Agreement() {   // a started check is always completed, even on an early return
+    if (request_ != MPI_REQUEST_NULL) MPI_Wait(&request_, MPI_STATUS_IGNORE);
   }
-  return Status::Mismatch(msg.str());
+
+  Status Start(MPI_Comm comm) {
+    comm_ = comm;
+    if (!g_check.load(std::memory_order_relaxed)) return Status::Ok();
+    // non-negative, so -h cannot overflow
+    const int64_t h = int64_t(SignatureHash(kind_, dtype_, param_, shapes_) >> 2);
+    v_[0] = h;
+    v_[1] = -h;
+    MATEX_COLL(MPI_Iallreduce(MPI_IN_PLACE, v_, 2, MPI_INT64_T, MPI_MAX, comm, &request_),
+               "MPI_Iallreduce (agreement check)");
+    return Status::Ok();
+  }
+
+  Status Finish() {
+    if (request_ == MPI_REQUEST_NULL) return Status::Ok();   // check off
+    MATEX_MPI(MPI_Wait(&request_, MPI_STATUS_IGNORE), "MPI_Wait (agreement check)");
+    if (v_[0] == -v_[1]) return Status::Ok();
+    const int kLen = 160;
+    int size = 0;
+    MATEX_MPI(MPI_Comm_size(comm_, &size), "MPI_Comm_size");
+    std::vector<char> mine(kLen, 0), all(size_t(kLen) * size, 0);
+    std::strncpy(mine.data(), SignatureText(kind_, dtype_, param_, shapes_).c_str(), kLen - 1);
+    MATEX_COLL(MPI_Allgather(mine.data(), kLen, MPI_CHAR, all.data(), kLen,
+                            MPI_CHAR, comm_),
+              "MPI_Allgather (agreement report)");
+    std::ostringstream msg;
+    msg << "ranks disagree on the collective to run (a different op, dtype or "
+           "shape on some rank, or collectives issued in a different order): ";
+    for (int r = 0; r < size; ++r) {
+      msg << (r ? "; " : "") << "rank " << r << ": "
+          << std::string(all.data() + size_t(r) * kLen);
+    }
+    return Status::Mismatch(msg.str());
+  }
+
+ private:
+  Kind kind_;
+  DataType dtype_;
+  int64_t param_;
+  const Shapes& shapes_;
+  MPI_Comm comm_ = MPI_COMM_NULL;
+  int64_t v_[2] = {0, 0};
+  MPI_Request request_ = MPI_REQUEST_NULL;
+};
+
+// The check with nothing to overlap: start and finish at once.
+Status Agree(MPI_Comm comm, Kind kind, DataType dtype, int64_t param, const Shapes& shapes) {
+  Agreement check(kind, dtype, param, shapes);
+  Status s = check.Start(comm);
+  if (!s.ok()) return s;
+  return check.Finish();
 }
 
 }  // namespace
@@ -365,12 +405,12 @@ Status FusedAllreduce(const std::vector<TensorRef>& ins,
   if (!s.ok()) return s;
   Shapes shapes;
   for (const auto& t : ins) shapes.push_back(&t.shape);
-  s = Agree(comm, Kind::kFused, dtype, int64_t(op), shapes);
+  Agreement check(Kind::kFused, dtype, int64_t(op), shapes);
+  s = check.Start(comm);   // packing below overlaps the check
   if (!s.ok()) return s;
   const size_t esize = DataTypeSize(dtype);
   int64_t total = 0;
   for (const auto& t : ins) total += t.num_elements();
-  if (total == 0) return Status::Ok();
   char* buf = static_cast<char*>(scratch);
   int64_t off = 0;
   for (const auto& t : ins) {
@@ -378,6 +418,8 @@ Status FusedAllreduce(const std::vector<TensorRef>& ins,
     if (bytes) std::memcpy(buf + off, t.data, bytes);
     off += int64_t(bytes);
   }
+  s = check.Finish();
+  if (!s.ok() || total == 0) return s;
   s = AllreduceInto(comm, buf, buf, total, dtype, op);
   if (!s.ok()) return s;
   off = 0;
