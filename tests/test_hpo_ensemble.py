@@ -72,6 +72,27 @@ def test_members_frozen_by_default_and_renamed_when_names_clash(x):
         rtol=1e-6, atol=1e-7)
 
 
+def test_fed_by_a_keras_tuner_search(tmp_path, x):
+    import keras_tuner as kt
+
+    y = (x[:, 0] > 0).astype("int64")
+
+    def build(hp):   # no keras.Input: the tuner builds the models on the data
+        model = keras.Sequential([keras.layers.Dense(hp.Int("units", 2, 8), activation="relu"),
+                                  keras.layers.Dense(2, activation="softmax")])
+        model.compile(optimizer="sgd", loss="sparse_categorical_crossentropy")
+        return model
+
+    tuner = kt.RandomSearch(build, objective="val_loss", max_trials=3, seed=1,
+                            directory=str(tmp_path), overwrite=True)
+    tuner.search(x, y, epochs=1, validation_data=(x, y), verbose=0)
+    best = tuner.get_best_models(2)
+    alone = np.mean([m.predict(x, verbose=0) for m in best], axis=0)
+    model = ensemble(best)
+    assert len({m.name for m in best}) == 2     # both were "sequential" here: renamed
+    np.testing.assert_allclose(model.predict(x, verbose=0), alone, rtol=1e-6, atol=1e-7)
+
+
 def test_bad_input_is_a_clear_error():
     a, b = classifier(0), classifier(1)
     cases = [
