@@ -11,7 +11,7 @@ import numpy as np
 import matex
 from matex import _config, _runtime
 
-from . import _partition
+from . import _gather, _partition
 from ._errors import ReaderError, agreed
 from ._pipeline import cpu_count, stream, tf_dataset
 from ._reader import Reader, row_bytes
@@ -257,6 +257,13 @@ class DataSet:
                     "give shuffle windows of %d samples, less than the per-rank batch %d"
                     % (budget, table.path, self._window, self.per_rank_batch_size))
             self._group = min(self._group, self._window // self.per_rank_batch_size)
+        self._gatherer = None
+        if self._reader.by_row:
+            specs = (self._x_spec,) + ((self._y_spec,) if self._y_spec else ())
+            names = (self._x,) + ((self._y,) if self._y_spec else ())
+            self._gatherer = _gather.Gatherer(table, self._make, names, specs,
+                                              keep=self._parallel() + 6,
+                                              group=_gather.group_size(out * per_rank))
 
     def _specs(self):
         """((x sample shape, dtype), (y sample shape, dtype) or None)."""
@@ -325,6 +332,37 @@ class DataSet:
             self._current = plan
         yield from self._batches(plan)
 
+    def _begin_train(self):
+        """A new epoch (or the resumed rest of one) for the gathers; its token."""
+        with self._lock:
+            if self._resume is not None:
+                plan, self._resume = self._resume, None
+            else:
+                self._current = None
+                plan = self._train_plan(self._epoch)
+                self._epoch += 1
+            self._current = plan
+        return self._gatherer.begin(plan, matex.rank())
+
+    def _begin_validation(self):
+        return self._gatherer.begin(self._validation_plan(), matex.rank())
+
+    def _parallel(self):
+        """Batches gathered at once: one per CPU, at least two (one waits on page faults)."""
+        return max(2, min(self._threads, 8))
+
+    def _dataset(self, generator, begin, steps, groups=None):
+        """The generator path's dataset, or the gathers' for tables read row by row.
+
+        ``groups``: how many groups the gathers' plan has (default: full batches only).
+        """
+        if self._gatherer is None:
+            return tf_dataset(generator, self._signature(), steps)
+        if groups is None:
+            groups = -(-steps // self._gatherer.group)
+        return _gather.tf_dataset(begin, self._gatherer, self._signature(), groups, steps,
+                                  self._parallel())
+
     def _validation_epoch(self):
         yield from self._batches(self._validation_plan())
 
@@ -345,7 +383,7 @@ class DataSet:
         """
         steps = self._resume.steps if self._resume is not None else self.steps_per_epoch
         if steps not in self._train_tf:
-            self._train_tf[steps] = tf_dataset(self._train_epoch, self._signature(), steps)
+            self._train_tf[steps] = self._dataset(self._train_epoch, self._begin_train, steps)
         return self._train_tf[steps]
 
     @property
@@ -355,8 +393,11 @@ class DataSet:
             return None
         steps = self.validation_steps
         if steps not in self._validation_tf:
-            self._validation_tf[steps] = tf_dataset(self._validation_epoch, self._signature(),
-                                                    steps)
+            groups = None
+            if self._gatherer is not None:
+                groups = len(self._validation_plan().groups(matex.rank(), self._gatherer.group))
+            self._validation_tf[steps] = self._dataset(self._validation_epoch,
+                                                       self._begin_validation, steps, groups)
         return self._validation_tf[steps]
 
     @property

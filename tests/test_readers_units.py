@@ -359,3 +359,90 @@ def test_native_csv_parser_build_is_cached(tmp_path, monkeypatch):
     assert first.parent == tmp_path and first.name.startswith("csvparse-")
     assert (first / ("_matex_csvparse" + sysconfig.get_config_var("EXT_SUFFIX"))).is_file()
     assert _build.csvparse_dir() == first
+
+
+# ---- batches gathered inside tf.data (tables read row by row) -----------------------
+
+def test_buffer_pool_reuses_only_arrays_nobody_holds():
+    from matex.readers._gather import BufferPool
+
+    pool = BufferPool(keep=2)
+    a = pool.get((4, 3), np.float32)
+    assert a.ctypes.data % 64 == 0 and a.flags.c_contiguous
+    held = pool.get((4, 3), np.float32)
+    assert held is not a
+    a_id = id(a)
+    del a
+    again = pool.get((4, 3), np.float32)
+    assert id(again) == a_id                        # released: reused
+    view = held[1:]                                 # a view keeps ``held`` busy
+    del held
+    third = pool.get((4, 3), np.float32)
+    assert third is not again and not np.shares_memory(third, view)
+    assert len(pool) == 2                           # never more than ``keep`` retained
+    assert pool.get((5, 3), np.float32).shape == (5, 3)
+
+
+def dataset_batches(dataset):
+    return [tuple(t.numpy() for t in batch) if isinstance(batch, tuple) else (batch.numpy(),)
+            for batch in dataset]
+
+
+@pytest.mark.parametrize("group", [1, 3])
+def test_gathered_batches_are_the_generator_paths(tmp_path, group):
+    """Same batches, epoch after epoch, as the generator path; held batches stay intact."""
+    import h5py
+
+    from matex.readers import DataSet
+
+    n = 1000
+    x = np.arange(n * 6, dtype=np.float32).reshape(n, 6)
+    with h5py.File(tmp_path / "d.h5", "w") as f:
+        f["x"], f["y"] = x, np.arange(n) * 3
+        f["big"] = x.astype(">f8")                   # converted, not gathered as is
+        f["s"] = np.arange(n, dtype=np.float32)      # scalar samples: shape (1,)
+    cases = [dict(features="x", labels="y"), dict(features="big", labels="y"),
+             dict(features=["x", "s"], labels="y"), dict(features="s", labels=None)]
+    for options in cases:
+        fast = DataSet(str(tmp_path / "d.h5"), per_rank_batch_size=32, validation_split=0.1,
+                       seed=5, **options)
+        slow = DataSet(str(tmp_path / "d.h5"), per_rank_batch_size=32, validation_split=0.1,
+                       seed=5, **options)
+        assert fast._gatherer is not None
+        fast._gatherer.group = group
+        slow._gatherer = None
+        try:
+            for _ in range(2):
+                got, want = dataset_batches(fast.train), dataset_batches(slow.train)
+                assert len(got) == len(want) == fast.steps_per_epoch == len(fast.train)
+                for g, w in zip(got, want):
+                    assert len(g) == len(w)
+                    for a, b in zip(g, w):
+                        assert a.dtype == b.dtype and np.array_equal(a, b), options
+            got = dataset_batches(fast.validation)
+            want = dataset_batches(slow.validation)
+            assert [g[0].shape[0] for g in got] == [32, 32, 32, 4]     # short last batch
+            assert all(np.array_equal(a, b) for g, w in zip(got, want) for a, b in zip(g, w))
+            assert fast.epoch == slow.epoch == 2
+        finally:
+            fast.close()
+            slow.close()
+
+
+def test_gathered_epochs_differ_and_cover_every_sample(tmp_path):
+    import h5py
+
+    from matex.readers import DataSet, _dataset
+
+    with h5py.File(tmp_path / "d.h5", "w") as f:
+        f["x"] = np.arange(4096, dtype=np.float32).reshape(-1, 4)
+        f["y"] = np.arange(1024)
+    with DataSet(str(tmp_path / "d.h5"), per_rank_batch_size=64) as ds:
+        assert isinstance(ds._gatherer, _dataset._gather.Gatherer)
+        epochs = [np.concatenate([y for _, y in dataset_batches(ds.train)]) for _ in range(2)]
+        for labels in epochs:
+            assert np.array_equal(np.sort(labels), np.arange(1024))
+        assert not np.array_equal(epochs[0], epochs[1])
+        first = dataset_batches(ds.train.take(3))           # an epoch left after 3 batches
+        assert len(first) == 3 and ds.epoch == 3
+        assert len(dataset_batches(ds.train)) == 16          # the next one is whole
