@@ -21,8 +21,9 @@ def _oracle(oracle, objective, max_trials, seed, space):
         if not oracle.hyperparameters.space:
             oracle.update_space(space)
         return oracle
+    # failed trials never end the search (Keras Tuner stops after 3 in a row by default)
     common = dict(objective=objective, max_trials=max_trials, seed=seed,
-                  hyperparameters=space)
+                  hyperparameters=space, max_consecutive_failed_trials=None)
     if oracle == "random":
         return kt.oracles.RandomSearchOracle(**common)
     if oracle == "genetic":

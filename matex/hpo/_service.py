@@ -65,6 +65,7 @@ class Handler:
         self.oracle, self.trial_dir = oracle, trial_dir
         self.lock = threading.RLock()
         self.stopped = set()          # tuner ids told STOPPED
+        self.fatal = None   # the oracle's error that ended the search (raised on every rank)
         self.groups = groups
 
     def __call__(self, op, args):
@@ -72,6 +73,11 @@ class Handler:
             return getattr(self, "op_" + op)(*args)
 
     def op_create_trial(self, tuner_id):
+        if self.fatal is not None:   # the search ended with an error: every group stops
+            self.stopped.add(tuner_id)
+            from keras_tuner.src.engine import trial as trial_module
+
+            return trial_module.Trial(self.oracle.get_space(), status="STOPPED").get_state()
         trial = self.oracle.create_trial(tuner_id)
         if trial.status == "STOPPED":
             self.stopped.add(tuner_id)
@@ -90,7 +96,11 @@ class Handler:
             directory = self.trial_dir(trial.trial_id)
             for name, data in files.items():
                 write_atomically(os.path.join(directory, name), data)
-        self.oracle.end_trial(trial)
+        try:
+            self.oracle.end_trial(trial)
+        except Exception as exc:  # noqa: BLE001 - e.g. too many failures in a row: ends the search
+            self.fatal = "%s: %s" % (type(exc).__name__, exc)
+            log.error("matex.hpo: the search stops: %s", self.fatal)
         # Keras Tuner saves before it drops the trial from the ongoing ones (its tuner saves
         # again afterwards): save the state where the trial is no longer running
         self.oracle.save()
@@ -129,7 +139,8 @@ class Handler:
 
     def op_snapshot(self):
         """Everything a rank needs to answer queries locally once the search is over."""
-        return {"trials": {i: t.get_state() for i, t in self.oracle.trials.items()},
+        return {"fatal": self.fatal,
+                "trials": {i: t.get_state() for i, t in self.oracle.trials.items()},
                 "space": self.oracle.hyperparameters.get_config()}
 
 

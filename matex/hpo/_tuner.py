@@ -203,11 +203,12 @@ def _init(original):
             except Exception as exc:  # noqa: BLE001 - raised on every rank below
                 error = "%s: %s" % (type(exc).__name__, exc)
                 own = exc
-        if groups.service.bcast(error, root=0):
+        owners_error = groups.service.bcast(error, root=0)
+        if owners_error:
             if groups.owner:
                 raise own
             raise SearchError("matex.hpo: the oracle's owner (rank 0) could not start the "
-                              "search: %s" % error)
+                              "search: %s" % owners_error)
         if not groups.owner:
             bound.arguments["overwrite"] = False   # only the owner deletes the directory
             try:
@@ -329,6 +330,9 @@ class Search:
                                  for i, s in final["trials"].items()}
             self.local.hyperparameters = HyperParameters.from_config(final["space"])
         oracle.finished = True
+        if final["fatal"]:
+            raise RuntimeError("matex.hpo: the search stopped on the oracle's error: %s"
+                               % final["fatal"])
 
     def _dead_groups(self):
         dead = self.server.failed if self.server is not None else set()

@@ -1,0 +1,216 @@
+"""Hyperparameter search as a workflow: scheduler utilisation, layouts, a failure.
+
+    python benchmarks/hpo_workflow.py [--quick] [--json PATH]
+
+Three phases, each one ``mpiexec`` job running ``matex.hpo.minimize``:
+
+* ``utilisation``: 8 groups of 1 rank on synthetic trials that sleep for a
+  log-normal duration (so it measures the scheduler, not the CPU): busy-time
+  fraction of the groups between the first trial's start and the last one's
+  end. Target >= 97 %.
+* ``layouts``: one small Keras search (same seed, same trial budget) done
+  8 x 1, 4 x 2 and 1 x 8 ranks per trial on 8 ranks: wall time until a trial
+  first reached the target validation accuracy, and until the search ended.
+  On a machine with fewer cores than 8 this measures oversubscription.
+* ``failure``: 4 groups of 1 rank under ULFM, sleep trials, one rank killed
+  in the middle of a trial: trials failed (lost with the rank) and redone,
+  and the time overhead against the same search without the failure.
+"""
+
+import json
+import os
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+import _common  # noqa: E402
+
+TARGET_UTILISATION = 0.97
+TARGET_ACCURACY = 0.85
+
+
+def _sleep_search(trials, groups_seed, kill=None, record=None):
+    """minimize over sleep trials; returns (starts, ends) of this rank's calls."""
+    import keras_tuner as kt
+    import numpy as np
+    from mpi4py import MPI
+
+    from matex import hpo
+
+    rank = MPI.COMM_WORLD.Get_rank()
+    space = kt.HyperParameters()
+    space.Float("x", 0.0, 1.0)
+    space.Float("y", 0.0, 1.0)
+    spans = []
+
+    def fn(hp, comm):
+        # duration from the point: log-normal, median 0.4 s, sigma 0.6
+        seed = int(hp["x"] * 1e9) % (2 ** 31)
+        duration = float(np.exp(np.log(0.4) + 0.6 * np.random.default_rng(seed).normal()))
+        start = time.time()
+        if record:
+            with open(record, "a") as f:
+                f.write(json.dumps({"rank": rank, "x": hp["x"], "start": start}) + "\n")
+        if kill is not None and rank == kill[0] and len(spans) == kill[1]:
+            time.sleep(duration / 2)
+            os.kill(os.getpid(), 9)
+        time.sleep(duration)
+        spans.append((start, time.time(), hp["x"]))
+        return (hp["x"] - 0.3) ** 2 + hp["y"]
+
+    MPI.COMM_WORLD.Barrier()
+    begin = time.time()
+    hpo.minimize(fn, space, oracle="random", max_trials=trials, ranks_per_trial=1,
+                 seed=groups_seed)
+    return begin, time.time(), spans
+
+
+def worker_utilisation(args):
+    from mpi4py import MPI
+
+    trials = 32 if args.quick else 96
+    begin, end, spans = _sleep_search(trials, 1)
+    every = MPI.COMM_WORLD.gather(spans, root=0)
+    if MPI.COMM_WORLD.Get_rank() == 0:
+        flat = [s for rank in every for s in rank]
+        first, last = min(s[0] for s in flat), max(s[1] for s in flat)
+        busy = sum(s[1] - s[0] for s in flat)
+        groups = MPI.COMM_WORLD.Get_size()
+        _common.emit({"groups": groups, "trials": len(flat),
+                      "busy_fraction": busy / (groups * (last - first)),
+                      "busy_fraction_with_start": busy / (groups * (end - begin)),
+                      "mean_trial_s": busy / len(flat)})
+
+
+def worker_failure(args):
+    from mpi4py import MPI
+
+    kill = json.loads(args.kill) if args.kill else None
+    trials = 16 if args.quick else 32
+    begin, end, spans = _sleep_search(trials, 2, kill=kill, record=args.record)
+    if MPI.COMM_WORLD.Get_rank() == 0:
+        starts = [json.loads(line) for line in open(args.record)]
+        xs = [s["x"] for s in starts]
+        _common.emit({"seconds": end - begin, "started": len(xs), "trials": trials,
+                      "redone": len(xs) - len(set(xs)), "failed": len(xs) - trials})
+
+
+def worker_layouts(args):
+    import keras
+    import keras_tuner as kt
+    import numpy as np
+    from mpi4py import MPI
+
+    import matex.keras  # noqa: F401 - fit data-parallel over the trial's group
+    from matex import hpo
+
+    world = MPI.COMM_WORLD
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(1024, 8)).astype("float32")
+    y = ((x[:, 0] * x[:, 1] + np.sin(2 * x[:, 2])) > 0).astype("float32")
+    space = kt.HyperParameters()
+    space.Int("units", 8, 64, step=8)
+    space.Float("lr", 1e-3, 5e-2, sampling="log")
+    results = {}
+    for k in (1, 2, 8):
+        reached = []
+
+        def fn(hp, comm):
+            keras.utils.set_random_seed(0)
+            model = keras.Sequential([keras.Input((8,)),
+                                      keras.layers.Dense(hp["units"], activation="relu"),
+                                      keras.layers.Dense(hp["units"], activation="relu"),
+                                      keras.layers.Dense(1, activation="sigmoid")])
+            model.compile(keras.optimizers.Adam(hp["lr"]), "binary_crossentropy",
+                          metrics=["accuracy"])
+            history = model.fit(x[:768], y[:768], validation_data=(x[768:], y[768:]),
+                                batch_size=64, epochs=4 if args.quick else 8, verbose=0)
+            accuracy = max(history.history["val_accuracy"])
+            if comm.Get_rank() == 0:
+                reached.append((time.time(), accuracy))
+            return -accuracy
+
+        world.Barrier()
+        begin = time.time()
+        _, best = hpo.minimize(fn, space, oracle="random", max_trials=8 if args.quick else 16,
+                               ranks_per_trial=k, seed=3)
+        end = time.time()
+        every = [r for rank in world.allgather(reached) for r in rank]
+        hits = [t for t, a in every if a >= TARGET_ACCURACY]
+        results["%dx%d" % (world.Get_size() // k, k)] = {
+            "seconds": end - begin, "best_accuracy": -best,
+            "to_target_s": (min(hits) - begin) if hits else None}
+    _common.emit(results, world.Get_rank())
+
+
+def report(results, quick):
+    util, layouts, fail = results["utilisation"], results["layouts"], results["failure"]
+    rows = [["utilisation: busy fraction, %d groups x 1 rank, %d sleep trials"
+             % (util["groups"], util["trials"]), "%.4f" % util["busy_fraction"]],
+            ["utilisation incl. the search's start and end", "%.4f"
+             % util["busy_fraction_with_start"]]]
+    for name, r in layouts.items():
+        rows.append(["Keras search %s: seconds to val_accuracy >= %.2f" % (name, TARGET_ACCURACY),
+                     "%.1f" % r["to_target_s"] if r["to_target_s"] is not None else "never"])
+        rows.append(["Keras search %s: whole search s (best val_accuracy %.3f)"
+                     % (name, r["best_accuracy"]), "%.1f" % r["seconds"]])
+    base, hurt = fail["baseline"], fail["killed"]
+    overhead = hurt["seconds"] / base["seconds"] - 1
+    rows += [["failure: search s without / with one rank killed",
+              "%.1f / %.1f" % (base["seconds"], hurt["seconds"])],
+             ["failure: trials failed (lost with the rank), redone",
+              "%d, %d" % (hurt["failed"], hurt["redone"])],
+             ["failure: time overhead", "%.1f %%" % (100 * overhead)]]
+    lines = [_common.table(["figure", "value"], rows), ""]
+    lines.append(_common.target(
+        "utilisation >= 97 %% of the groups' time", util["busy_fraction"] >= TARGET_UTILISATION,
+        "%.1f %% over %d trials" % (100 * util["busy_fraction"], util["trials"])))
+    lines.append(_common.target(
+        "a search with one rank killed records every trial once",
+        hurt["failed"] == 1 and hurt["redone"] == 1,
+        "%d failed, %d redone, %d started for %d trials" % (
+            hurt["failed"], hurt["redone"], hurt["started"], hurt["trials"])))
+    return "\n".join(lines)
+
+
+def main():
+    import argparse  # noqa: F401 - options below extend _common's
+
+    if "--worker" in sys.argv:
+        parser_args = sys.argv[1:]
+        name = parser_args[parser_args.index("--worker") + 1]
+        ns = type("Args", (), {"quick": "--quick" in parser_args, "kill": None,
+                               "record": None})()
+        for key in ("--kill", "--record"):
+            if key in parser_args:
+                setattr(ns, key[2:], parser_args[parser_args.index(key) + 1])
+        return {"utilisation": worker_utilisation, "layouts": worker_layouts,
+                "failure": worker_failure}[name](ns)
+    args = _common.parse_args(__doc__.splitlines()[0], ["utilisation", "layouts", "failure"],
+                              repeats=1)
+    quick = ["--quick"] if args.quick else []
+    from matex import launcher
+
+    results = {"utilisation": _common.run_phase(__file__, "utilisation", 8, quick,
+                                                mpi_args=["--oversubscribe"]),
+               "layouts": _common.run_phase(__file__, "layouts", 8, quick,
+                                            mpi_args=["--oversubscribe"])}
+    import tempfile
+
+    failure = {}
+    for name, kill in (("baseline", None), ("killed", [2, 1])):
+        record = tempfile.mktemp(prefix="matex-hpo-bench-")
+        extra = quick + ["--record", record] + (["--kill", json.dumps(kill)] if kill else [])
+        failure[name] = _common.run_phase(__file__, "failure", 4, extra,
+                                          mpi_args=launcher.ft_mpi_args())
+        os.remove(record)
+    results["failure"] = failure
+    command = "python benchmarks/hpo_workflow.py" + (" --quick" if args.quick else "")
+    print(_common.header("hyperparameter search workflow (matex.hpo.minimize)", command))
+    print(report(results, args.quick))
+    _common.write_json(args.json, results)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,75 @@
+"""Distributed hyperparameter search surviving rank failures (mpiexec --with-ft ulfm).
+
+The unmodified Keras Tuner script of tests/test_hpo_distributed.py (6 trials,
+10 optimizer steps each), with a rank killed inside a trial:
+
+* 2 ranks per trial, a group member killed: its group shrinks to one rank and
+  the trial goes on there (fit's own recovery), the search ends with 6 results;
+* 1 rank per trial, the killed rank's group is left empty: its trial goes back
+  to the queue and another group runs it.
+
+Every trial is recorded exactly once (the oracle's end order on disk has no
+repeat) and the survivors agree on the best hyperparameters.
+"""
+
+import json
+import os
+import sys
+
+import mpitools
+from matex import launcher as launch
+
+SCRIPT = str(mpitools.ROOT / "tests" / "scripts" / "hpo_keras_tuner.py")
+
+
+def _run(tmp_path, k, fault):
+    out, directory = str(tmp_path / "r"), str(tmp_path / "tuner")
+    env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2", MATEX_RANKS_PER_TRIAL=str(k),
+               MATEX_INJECT_FAULT=fault)
+    proc = mpitools.run_mpi(
+        4, [sys.executable, "-m", "matex", SCRIPT, out, directory, "6"],
+        mpi_args=["-x", "MATEX_RANKS_PER_TRIAL", "-x", "MATEX_INJECT_FAULT"]
+        + launch.ft_mpi_args(), env=env, timeout=600)
+    return proc, out, directory
+
+
+def _check(proc, out, directory, victim):
+    assert proc.returncode == 0, proc.stderr[-5000:]
+    assert proc.stderr.count("matex: injecting fault") == 1
+    survivors = [r for r in range(4) if r != victim]
+    assert not os.path.exists("%s.%d.json" % (out, victim))
+    records = {r: json.load(open("%s.%d.json" % (out, r))) for r in survivors}
+    trials = records[survivors[0]]["trials"]
+    assert len(trials) == 6 and all(t["status"] == "COMPLETED" for t in trials.values()), trials
+    state = json.load(open(os.path.join(directory, "p", "oracle.json")))
+    assert sorted(state["end_order"]) == sorted(trials), state["end_order"]   # once each
+    assert state["ongoing_trials"] == {} and state["retry_queue"] == []
+    for r in records.values():
+        assert r["best"] == records[survivors[0]]["best"]
+        assert r["best_digest"] == records[survivors[0]]["best_digest"]
+        assert r["trials"] == trials and r["size"] == 3   # the world after the search: 3 ranks
+    for r in survivors[1:]:
+        assert records[r]["writes"] == []
+    return records
+
+
+def test_member_of_a_group_killed_inside_a_trial_group_shrinks_and_goes_on(tmp_path):
+    proc, out, directory = _run(tmp_path, 2, "rank=3,step=2,kind=kill")
+    records = _check(proc, out, directory, victim=3)
+    # rank 2 finished the interrupted trial alone, and trained its later trials alone
+    sizes = [f["size"] for f in records[2]["fits"]]
+    assert sizes and all(s == 1 for s in sizes), sizes
+    assert all(f["size"] == 2 for r in (0, 1) for f in records[r]["fits"])
+    # fit's recovery redoes the interrupted fit on rank 2 (the Keras callbacks see both
+    # attempts): one trial per (rank, hyperparameters)
+    fitted = [h for r in (0, 2) for h in dict.fromkeys(
+        json.dumps(f["hp"], sort_keys=True) for f in records[r]["fits"])]
+    assert len(fitted) == len(set(fitted)) == 6   # 6 trials, each trained by one group
+
+
+def test_group_left_empty_gives_its_trial_back_to_the_queue(tmp_path):
+    proc, out, directory = _run(tmp_path, 1, "rank=2,step=2,kind=kill,at=begin")
+    records = _check(proc, out, directory, victim=2)
+    fitted = [json.dumps(f["hp"], sort_keys=True) for r in records.values() for f in r["fits"]]
+    assert len(fitted) == len(set(fitted)) == 6, fitted   # the lost trial ran again, elsewhere
+    assert "goes back to the queue" in proc.stderr
