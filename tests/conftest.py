@@ -12,7 +12,7 @@ A test gets one tier, the most specific that applies.
 import pytest
 
 TIERS = ("unit", "mpi", "ulfm", "netns", "sysmpi")
-_ULFM_MODULES = {"test_fault_tolerance"}
+_ULFM_MODULES = {"test_fault_tolerance", "test_hpo_fault_tolerance"}
 
 
 def pytest_configure(config):
