@@ -12,8 +12,9 @@ The model, data and steps are ``training_step.py``'s (a small CNN on synthetic
 - ``strong``: the global batch is fixed at 128 (128 / N per rank).
 
 At N = 1 both are the same run. Three kinds of process, each bound to one core
-(``--bind-to core``; CUDA_VISIBLE_DEVICES="" so that GPU TensorFlow cannot put
-every rank on one GPU):
+(``--bind-to core``; one hardware thread where the ranks outnumber the physical
+cores, none where they outnumber the CPUs), with CUDA_VISIBLE_DEVICES="" so
+that GPU TensorFlow cannot put every rank on one GPU:
 
 - ``matex``: N ranks of ``import matex.keras as keras``: ``model.fit`` on a
   ``tf.data`` dataset of global batches, sliced per rank by MaTEx (the
@@ -252,10 +253,32 @@ WORKERS = {"matex": worker_matex, "mwms": worker_mwms, "keras": worker_keras,
 
 # ---- driver -----------------------------------------------------------------
 
+def physical_cores():
+    """Physical cores among the CPUs this process may use (logical CPUs when unknown)."""
+    allowed = os.sched_getaffinity(0) if hasattr(os, "sched_getaffinity") else None
+    found, cpu, package = set(), None, None
+    try:
+        with open("/proc/cpuinfo") as info:
+            for line in info:
+                key, _, value = line.partition(":")
+                key, value = key.strip(), value.strip()
+                if key == "processor":
+                    cpu = int(value)
+                elif key == "physical id":
+                    package = value
+                elif key == "core id" and (allowed is None or cpu in allowed):
+                    found.add((package, value))
+    except (OSError, ValueError):
+        pass
+    return len(found) or cores()
+
+
 def binding(nranks):
-    """One core per rank where the machine has the cores; no binding when oversubscribed."""
-    if nranks <= cores():
+    """One core per rank where the machine has the cores; else one hardware thread; else none."""
+    if nranks <= physical_cores():
         return ["--bind-to", "core", "--map-by", "core"]
+    if nranks <= cores():
+        return ["--bind-to", "hwthread", "--map-by", "hwthread"]
     return ["--bind-to", "none"]
 
 
@@ -392,6 +415,10 @@ def main():
     args = parse_args()
     if args.worker:
         return WORKERS[args.worker](args)
+    threads = [n for n in args.ranks if physical_cores() < n <= cores()]
+    if threads:
+        print("note: %s ranks exceed this machine's %d physical cores: bound one hardware "
+              "thread each" % (",".join(map(str, threads)), physical_cores()), file=sys.stderr)
     over = [n for n in args.ranks if n > cores()]
     if over:
         print("note: %s ranks exceed this machine's %d cores: run oversubscribed, unbound"
@@ -402,7 +429,8 @@ def main():
         " --quick" if args.quick else "")
     print(_common.header("scaling: training-step CNN, weak (batch %d per rank) and strong "
                          "(global batch %d)" % (BATCH, BATCH), command))
-    print("Machine: %d cores (CPU model above); %s." % (cores(), gpu_description()))
+    print("Machine: %d logical CPUs, %d physical cores (CPU model above); %s."
+          % (cores(), physical_cores(), gpu_description()))
     print("")
     print(report(results, args.ranks, cores()))
     results["machine"] = {"cores": cores(), "ranks": args.ranks}
