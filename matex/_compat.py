@@ -45,6 +45,7 @@ REQUIRED = (
     ("keras_tuner.src.engine.base_tuner", "BaseTuner.get_trial_dir"),
     ("keras_tuner.src.engine.base_tuner", "BaseTuner.project_dir"),
     ("keras_tuner.src.engine.oracle", "Oracle._set_project_dir"),
+    ("keras_tuner.src.engine.oracle", "Oracle._get_oracle_fname"),
     ("keras_tuner.src.engine.trial", "Trial.from_state"),
     ("keras_tuner.src.utils", "save_json"),
     # keras-tuner (matex.hpo's oracles): random points and the record of points tried
@@ -242,6 +243,22 @@ def set_oracle_project_dir(oracle, directory, project_name):
 def oracle_retry_queue(oracle):
     """Ids of the trials an oracle will hand out again before new ones (a list)."""
     return oracle._retry_queue
+
+
+def oracle_reload_from_disk(oracle):
+    """Reload an oracle from its project directory; ``{tuner id: trial id}`` it had running.
+
+    Keras Tuner's ``reload`` sends every trial that was running to the retry
+    queue and forgets which tuner ran it; the mapping is read from the same
+    ``oracle.json`` first, so a caller can give a trial back to the tuner still
+    running it (matex.hpo's takeover after the oracle's owner died).
+    """
+    import json
+
+    with open(oracle._get_oracle_fname()) as f:
+        running = dict(json.load(f).get("ongoing_trials", {}))
+    oracle.reload()
+    return running
 
 
 def oracle_run_times(oracle):
