@@ -120,3 +120,36 @@ def ranks_per_trial():
     """``MATEX_RANKS_PER_TRIAL`` (set by ``matexrun --ranks-per-trial``): ranks that train one
     hyperparameter-search trial together, or None when not set."""
     return _number("MATEX_RANKS_PER_TRIAL", None, int, 1)
+
+
+def flight_dir() -> str:
+    """``MATEX_FLIGHT_DIR``: where flight-recorder dumps and stall reports go (./matex-flight)."""
+    return _get("MATEX_FLIGHT_DIR") or "matex-flight"
+
+
+def flight_entries() -> int:
+    """``MATEX_FLIGHT_ENTRIES``: collectives the flight recorder keeps per rank (default 1024;
+    0 records none)."""
+    return _number("MATEX_FLIGHT_ENTRIES", 1024, int, 0)
+
+
+def stall_warning_s() -> float:
+    """``MATEX_STALL_WARNING_S``: seconds a collective may wait for the other ranks before each
+    waiting rank reports the stall (default 60; 0 turns the stall inspector off)."""
+    return _number("MATEX_STALL_WARNING_S", 60.0, float, 0.0)
+
+
+def stall_abort_s():
+    """``MATEX_STALL_ABORT_S``: seconds after which a stalled collective ends the job (with
+    the stall report and flight dumps); None (unset or 0): never."""
+    value = _number("MATEX_STALL_ABORT_S", 0.0, float, 0.0)
+    return value or None
+
+
+def job_id() -> str:
+    """The launcher's id of this job (PMIx namespace, Slurm job id), or "": tells the dumps of
+    one run from those an earlier run left in the same directory."""
+    for var in ("PMIX_NAMESPACE", "OMPI_MCA_ess_base_jobid", "SLURM_JOB_ID"):
+        if _get(var):
+            return _get(var)
+    return ""

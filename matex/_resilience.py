@@ -87,6 +87,7 @@ def recover():
     from mpi4py import MPI
 
     started = time.time()
+    _dump_flight()
     old = _runtime.comm()
     control = _runtime.control()
     old_size = old.Get_size()
@@ -115,6 +116,17 @@ def recover():
         comm.Free()
     _runtime._set_comm(new)
     return RankLoss(lost, old_size, new.Get_size(), started, time.time() - started)
+
+
+def _dump_flight():
+    """Survivors dump their flight recorders before recovery replaces the communicator."""
+    from matex import flight
+
+    try:
+        path = flight.dump("rank failure")
+        sys.stderr.write("matex: flight recorder dumped to %s\n" % path)
+    except OSError as exc:
+        sys.stderr.write("matex: could not dump the flight recorder: %s\n" % exc)
 
 
 def notify(info, callbacks=()):

@@ -240,6 +240,9 @@ def _core():
     module = _native.core()
     if not loaded:
         module.set_communicator(MPI._handleof(_comm))
+    from matex import _stall
+
+    _stall.start(module)   # flight recorder, SIGUSR1 dumps, stall inspector (once)
     return module
 
 

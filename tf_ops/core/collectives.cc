@@ -3,6 +3,9 @@
 
 #include <algorithm>
 #include <atomic>
+#include <signal.h>
+
+#include <chrono>
 #include <climits>
 #include <cstring>
 #include <mutex>
@@ -243,6 +246,92 @@ std::string SignatureText(Kind kind, DataType dtype, int64_t param, const Shapes
   return t.str();
 }
 
+// ---- flight recorder ---------------------------------------------------------
+
+std::mutex g_flight_mutex;                 // guards the ring (read by dumping threads)
+std::vector<FlightEntry> g_ring;           // capacity slots; slot = (seq - 1) % capacity
+std::atomic<int> g_flight_capacity{0};
+std::atomic<int64_t> g_seq{0};
+std::atomic<double> g_pending_since{0.0};
+thread_local const char* t_site = nullptr;
+
+double Now() {
+  return std::chrono::duration<double>(
+             std::chrono::system_clock::now().time_since_epoch()).count();
+}
+
+// One collective's entry: opened at its start, stamped when all ranks agreed,
+// closed with its outcome. Holds the ring's lock only to copy in or update.
+class FlightRecord {
+ public:
+  FlightRecord(MPI_Comm comm, Kind kind, DataType dtype, int64_t param, const Shapes& shapes,
+               uint64_t signature) {
+    seq_ = g_seq.fetch_add(1, std::memory_order_relaxed) + 1;
+    const double now = Now();
+    g_pending_since.store(now, std::memory_order_relaxed);
+    if (g_flight_capacity.load(std::memory_order_relaxed) == 0) return;
+    FlightEntry e;
+    e.seq = seq_;
+    e.kind = int(kind);
+    e.dtype = int(dtype);
+    e.param = param;
+    MPI_Comm_rank(comm, &e.comm_rank);
+    MPI_Comm_size(comm, &e.comm_size);
+    e.num_tensors = int(shapes.size());
+    int64_t elements = 0;
+    for (const auto* shape : shapes) {
+      int64_t n = 1;
+      for (int64_t d : *shape) n *= d;
+      elements += n;
+    }
+    e.bytes = elements * int64_t(DataTypeSize(dtype));
+    if (!shapes.empty()) {
+      e.ndims = int(std::min<size_t>(shapes[0]->size(), 8));
+      for (int i = 0; i < e.ndims; ++i) e.dims[i] = (*shapes[0])[i];
+    }
+    e.signature = signature;
+    e.start = now;
+    if (t_site) std::strncpy(e.site, t_site, sizeof(e.site) - 1);
+    std::lock_guard<std::mutex> lock(g_flight_mutex);
+    if (g_ring.empty()) return;   // switched off meanwhile
+    g_ring[size_t((seq_ - 1) % int64_t(g_ring.size()))] = e;
+    recording_ = true;
+  }
+
+  void Agreed() {
+    if (recording_) Update([](FlightEntry& e) { e.agreed = Now(); });
+  }
+
+  Status Done(Status s) {
+    g_pending_since.store(0.0, std::memory_order_relaxed);
+    if (!recording_) return s;
+    int state = int(FlightState::kOk);
+    if (s.kind == Status::Kind::kMismatch) state = int(FlightState::kMismatch);
+    if (s.kind == Status::Kind::kMpiError) state = int(FlightState::kMpiError);
+    if (s.kind == Status::Kind::kInvalid) state = int(FlightState::kInvalid);
+    const int cls = s.mpi_error_class;
+    Update([&](FlightEntry& e) {
+      e.end = Now();
+      if (e.agreed == 0 && state == int(FlightState::kOk)) e.agreed = e.end;
+      e.state = state;
+      e.mpi_error_class = cls;
+    });
+    return s;
+  }
+
+ private:
+  template <typename F>
+  void Update(F f) {
+    std::lock_guard<std::mutex> lock(g_flight_mutex);
+    if (g_ring.empty()) return;
+    FlightEntry& e = g_ring[size_t((seq_ - 1) % int64_t(g_ring.size()))];
+    if (e.seq == seq_) f(e);
+  }
+
+  int64_t seq_ = 0;
+  bool recording_ = false;
+};
+
 // The agreement check: one tiny allreduce by which every rank learns whether
 // all ranks are about to run the same collective on tensors of the same dtype
 // and shape. It is non-blocking so that a collective with work to do before
@@ -252,22 +341,26 @@ std::string SignatureText(Kind kind, DataType dtype, int64_t param, const Shapes
 // same message, before any rank issues the data collective.
 class Agreement {
  public:
-  Agreement(Kind kind, DataType dtype, int64_t param, const Shapes& shapes)
-      : kind_(kind), dtype_(dtype), param_(param), shapes_(shapes) {}
+  Agreement(MPI_Comm comm, Kind kind, DataType dtype, int64_t param, Shapes shapes)
+      : comm_(comm), kind_(kind), dtype_(dtype), param_(param), shapes_(std::move(shapes)),
+        hash_(g_check.load(std::memory_order_relaxed) ||
+                      g_flight_capacity.load(std::memory_order_relaxed) > 0
+                  ? SignatureHash(kind_, dtype_, param_, shapes_)
+                  : 0),
+        flight_(comm_, kind_, dtype_, param_, shapes_, hash_) {}
   Agreement(const Agreement&) = delete;
   Agreement& operator=(const Agreement&) = delete;
   ~Agreement() {   // a started check is always completed, even on an early return
     if (request_ != MPI_REQUEST_NULL) MPI_Wait(&request_, MPI_STATUS_IGNORE);
   }
 
-  Status Start(MPI_Comm comm) {
-    comm_ = comm;
+  Status Start() {
     if (!g_check.load(std::memory_order_relaxed)) return Status::Ok();
     // non-negative, so -h cannot overflow
-    const int64_t h = int64_t(SignatureHash(kind_, dtype_, param_, shapes_) >> 2);
+    const int64_t h = int64_t(hash_ >> 2);
     v_[0] = h;
     v_[1] = -h;
-    MATEX_COLL(MPI_Iallreduce(MPI_IN_PLACE, v_, 2, MPI_INT64_T, MPI_MAX, comm, &request_),
+    MATEX_COLL(MPI_Iallreduce(MPI_IN_PLACE, v_, 2, MPI_INT64_T, MPI_MAX, comm_, &request_),
                "MPI_Iallreduce (agreement check)");
     return Status::Ok();
   }
@@ -275,6 +368,7 @@ class Agreement {
   Status Finish() {
     if (request_ == MPI_REQUEST_NULL) return Status::Ok();   // check off
     MATEX_MPI(MPI_Wait(&request_, MPI_STATUS_IGNORE), "MPI_Wait (agreement check)");
+    flight_.Agreed();
     if (v_[0] == -v_[1]) return Status::Ok();
     const int kLen = 160;
     int size = 0;
@@ -294,23 +388,27 @@ class Agreement {
     return Status::Mismatch(msg.str());
   }
 
+  // The check with nothing to overlap: start and finish at once.
+  Status Agree() {
+    Status s = Start();
+    if (!s.ok()) return s;
+    return Finish();
+  }
+
+  // Close the flight entry with the collective's outcome; returns `s`.
+  Status Done(Status s) { return flight_.Done(std::move(s)); }
+
  private:
+  MPI_Comm comm_;
   Kind kind_;
   DataType dtype_;
   int64_t param_;
-  const Shapes& shapes_;
-  MPI_Comm comm_ = MPI_COMM_NULL;
+  Shapes shapes_;
+  uint64_t hash_;
+  FlightRecord flight_;
   int64_t v_[2] = {0, 0};
   MPI_Request request_ = MPI_REQUEST_NULL;
 };
-
-// The check with nothing to overlap: start and finish at once.
-Status Agree(MPI_Comm comm, Kind kind, DataType dtype, int64_t param, const Shapes& shapes) {
-  Agreement check(kind, dtype, param, shapes);
-  Status s = check.Start(comm);
-  if (!s.ok()) return s;
-  return check.Finish();
-}
 
 }  // namespace
 
@@ -370,6 +468,49 @@ void SetAgreementCheck(bool enabled) { g_check.store(enabled); }
 bool AgreementCheck() { return g_check.load(); }
 int64_t CollectiveCallCount() { return g_calls.load(); }
 
+void SetFlightCapacity(int capacity) {
+  std::lock_guard<std::mutex> lock(g_flight_mutex);
+  g_ring.assign(size_t(std::max(capacity, 0)), FlightEntry());
+  g_flight_capacity.store(std::max(capacity, 0));
+}
+
+int FlightCapacity() { return g_flight_capacity.load(); }
+
+std::vector<FlightEntry> FlightEntries() {
+  std::vector<FlightEntry> out;
+  std::lock_guard<std::mutex> lock(g_flight_mutex);
+  for (const FlightEntry& e : g_ring) {
+    if (e.seq > 0) out.push_back(e);
+  }
+  std::sort(out.begin(), out.end(),
+            [](const FlightEntry& a, const FlightEntry& b) { return a.seq < b.seq; });
+  return out;
+}
+
+int64_t FlightSequence() { return g_seq.load(std::memory_order_relaxed); }
+double FlightPendingSince() { return g_pending_since.load(std::memory_order_relaxed); }
+void SetFlightSite(const char* site) { t_site = site; }
+
+namespace {
+std::atomic<int> g_flight_signal{0};   // lock-free: safe to set from a signal handler
+extern "C" void OnFlightSignal(int) { g_flight_signal.store(1); }
+}  // namespace
+
+bool InstallFlightSignal(int signum) {
+  struct sigaction old;
+  if (sigaction(signum, nullptr, &old) != 0) return false;
+  if (old.sa_handler == &OnFlightSignal) return true;
+  if ((old.sa_flags & SA_SIGINFO) || old.sa_handler != SIG_DFL) return false;   // taken
+  struct sigaction sa;
+  std::memset(&sa, 0, sizeof(sa));
+  sa.sa_handler = &OnFlightSignal;
+  sigemptyset(&sa.sa_mask);
+  sa.sa_flags = SA_RESTART;
+  return sigaction(signum, &sa, nullptr) == 0;
+}
+
+bool TakeFlightSignal() { return g_flight_signal.exchange(0) != 0; }
+
 Status CommInfo(int* rank, int* size) {
   MPI_Comm comm;
   Status s = CurrentComm(&comm);
@@ -386,11 +527,14 @@ Status Allreduce(const TensorRef& in, void* out, DataType dtype, ReduceOp op) {
   MPI_Comm comm;
   Status s = CurrentComm(&comm);
   if (!s.ok()) return s;
-  s = Agree(comm, Kind::kAllreduce, dtype, int64_t(op), {&in.shape});
-  if (!s.ok()) return s;
-  const int64_t n = in.num_elements();
-  if (n == 0) return Status::Ok();
-  return AllreduceInto(comm, in.data, out, n, dtype, op);
+  Agreement check(comm, Kind::kAllreduce, dtype, int64_t(op), {&in.shape});
+  return check.Done([&] {
+    Status st = check.Agree();
+    if (!st.ok()) return st;
+    const int64_t n = in.num_elements();
+    if (n == 0) return Status::Ok();
+    return AllreduceInto(comm, in.data, out, n, dtype, op);
+  }());
 }
 
 Status FusedAllreduce(const std::vector<TensorRef>& ins,
@@ -405,8 +549,9 @@ Status FusedAllreduce(const std::vector<TensorRef>& ins,
   if (!s.ok()) return s;
   Shapes shapes;
   for (const auto& t : ins) shapes.push_back(&t.shape);
-  Agreement check(Kind::kFused, dtype, int64_t(op), shapes);
-  s = check.Start(comm);   // packing below overlaps the check
+  Agreement check(comm, Kind::kFused, dtype, int64_t(op), shapes);
+  return check.Done([&] {
+  Status s = check.Start();   // packing below overlaps the check
   if (!s.ok()) return s;
   const size_t esize = DataTypeSize(dtype);
   int64_t total = 0;
@@ -429,6 +574,7 @@ Status FusedAllreduce(const std::vector<TensorRef>& ins,
     off += int64_t(bytes);
   }
   return Status::Ok();
+  }());
 }
 
 Status Broadcast(void* data, const std::vector<int64_t>& shape, DataType dtype,
@@ -445,7 +591,9 @@ Status Broadcast(void* data, const std::vector<int64_t>& shape, DataType dtype,
                            " is not a rank of a communicator of size " +
                            std::to_string(size));
   }
-  s = Agree(comm, Kind::kBroadcast, dtype, root, {&shape});
+  Agreement check(comm, Kind::kBroadcast, dtype, root, {&shape});
+  return check.Done([&] {
+  Status s = check.Agree();
   if (!s.ok()) return s;
   int64_t n = 1;
   for (int64_t d : shape) n *= d;
@@ -457,6 +605,7 @@ Status Broadcast(void* data, const std::vector<int64_t>& shape, DataType dtype,
     MATEX_COLL(MPI_Bcast(p + done, len, MPI_BYTE, root, comm), "MPI_Bcast");
   }
   return Status::Ok();
+  }());
 }
 
 Status Allgather(const TensorRef& in, DataType dtype,
@@ -469,7 +618,9 @@ Status Allgather(const TensorRef& in, DataType dtype,
   MPI_Comm comm;
   Status s = CurrentComm(&comm);
   if (!s.ok()) return s;
-  s = Agree(comm, Kind::kAllgather, dtype, 0, {&in.shape});
+  Agreement check(comm, Kind::kAllgather, dtype, 0, {&in.shape});
+  return check.Done([&] {
+  Status s = check.Agree();
   if (!s.ok()) return s;
   int size = 0;
   MATEX_MPI(MPI_Comm_size(comm, &size), "MPI_Comm_size");
@@ -503,6 +654,7 @@ Status Allgather(const TensorRef& in, DataType dtype,
   MPI_Type_free(&row);
   if (rc != MPI_SUCCESS) return MpiFailure(rc, "MPI_Allgatherv");
   return Status::Ok();
+  }());
 }
 
 }  // namespace matex

@@ -114,6 +114,54 @@ void StartProgressThread(double interval_seconds);
 void StopProgressThread();
 bool ProgressThreadRunning();
 
+// ---- flight recorder -------------------------------------------------------
+//
+// The last N collectives of this process, kept in a ring buffer: what each one
+// was (kind, dtype, shapes, communicator), when it started, when every rank had
+// arrived (the agreement check completed) and when it ended, and how. Python
+// dumps it (SIGUSR1, a rank failure, a stall) and `python -m matex.flight`
+// compares the dumps of all ranks. Recording is a few stores per collective;
+// with capacity 0 nothing is recorded but the sequence number and the pending
+// collective's start (what the stall inspector watches).
+
+enum class FlightState : int { kPending = 0, kOk = 1, kMismatch = 2, kMpiError = 3, kInvalid = 4 };
+
+struct FlightEntry {
+  int64_t seq = 0;            // 1, 2, ...: every collective of this process, in order
+  int kind = 0;               // 1 allreduce, 2 fused allreduce, 3 broadcast, 4 allgather
+  int dtype = 0;              // DataType
+  int64_t param = 0;          // ReduceOp, or the broadcast root
+  int comm_rank = 0;
+  int comm_size = 0;
+  int num_tensors = 0;
+  int64_t bytes = 0;          // this rank's input bytes
+  int ndims = 0;              // first tensor's shape (up to 8 dims)
+  int64_t dims[8] = {0};
+  uint64_t signature = 0;     // the agreement check's hash: equal across agreeing ranks
+  double start = 0, agreed = 0, end = 0;   // seconds since the epoch; 0: not reached
+  int state = 0;              // FlightState
+  int mpi_error_class = 0;
+  char site[96] = {0};        // TF node name, or Python file:line (see SetFlightSite)
+};
+
+// Keep the last `capacity` collectives (0: record none). Clears the buffer.
+void SetFlightCapacity(int capacity);
+int FlightCapacity();
+// The recorded collectives, oldest first (a consistent copy).
+std::vector<FlightEntry> FlightEntries();
+// Sequence number of the last collective started, and, when one is in
+// progress, its start time (else 0). Lock-free: safe from any thread.
+int64_t FlightSequence();
+double FlightPendingSince();
+// Where the next collective on this thread comes from; the pointer must stay
+// valid until that collective returns (nullptr: unknown).
+void SetFlightSite(const char* site);
+// Make signal `signum` (SIGUSR1) set a flag that TakeFlightSignal returns and
+// clears: a dumping thread polls it, so a dump happens while the main thread
+// is blocked in MPI or compute. False when the signal already has a handler.
+bool InstallFlightSignal(int signum);
+bool TakeFlightSignal();
+
 }  // namespace matex
 
 #endif  // MATEX_CORE_H_

@@ -96,6 +96,14 @@ absl::Status InPlaceOutput(OpKernelContext* ctx, matex::DataType* dtype,
   return absl::OkStatus();
 }
 
+// Names this kernel's node as the flight recorder's call site for the
+// collective it runs (the pointer lives as long as the kernel).
+class SiteScope {
+ public:
+  explicit SiteScope(const OpKernel& k) { matex::SetFlightSite(k.name().c_str()); }
+  ~SiteScope() { matex::SetFlightSite(nullptr); }
+};
+
 void* Mutable(const matex::TensorRef& ref) { return const_cast<void*>(ref.data); }
 
 // Ask the kernel for transparent huge pages under a large output buffer, as
@@ -119,6 +127,7 @@ class AllreduceOp : public OpKernel {
     OP_REQUIRES_OK(c, ParseReduceOp(c, &op_));
   }
   void Compute(OpKernelContext* ctx) override {
+    SiteScope site(*this);
     // MPI reduces from the input into the output: no copy, and in place when
     // TensorFlow lets the output reuse the input's buffer.
     const Tensor& in = ctx->input(0);
@@ -141,6 +150,7 @@ class GroupedAllreduceOp : public OpKernel {
     OP_REQUIRES_OK(c, ParseReduceOp(c, &op_));
   }
   void Compute(OpKernelContext* ctx) override {
+    SiteScope site(*this);
     const int n = ctx->num_inputs();
     matex::DataType dtype;
     OP_REQUIRES_OK(ctx, CoreType(ctx->input(0).dtype(), &dtype));
@@ -174,6 +184,7 @@ class BroadcastOp : public OpKernel {
     OP_REQUIRES_OK(c, c->GetAttr("root", &root_));
   }
   void Compute(OpKernelContext* ctx) override {
+    SiteScope site(*this);
     matex::DataType dtype;
     matex::TensorRef ref;
     OP_REQUIRES_OK(ctx, InPlaceOutput(ctx, &dtype, &ref));
@@ -189,6 +200,7 @@ class AllgatherOp : public OpKernel {
  public:
   explicit AllgatherOp(OpKernelConstruction* c) : OpKernel(c) {}
   void Compute(OpKernelContext* ctx) override {
+    SiteScope site(*this);
     const Tensor& in = ctx->input(0);
     matex::DataType dtype;
     OP_REQUIRES_OK(ctx, CoreType(in.dtype(), &dtype));

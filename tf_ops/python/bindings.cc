@@ -59,6 +59,48 @@ matex::TensorRef Ref(const py::array& a) {
   return r;
 }
 
+// The Python caller's "file:line", recorded by the flight recorder as the
+// collective's call site; built only while it records.
+class PySite {
+ public:
+  PySite() {
+    if (matex::FlightCapacity() == 0) return;
+    PyFrameObject* frame = PyEval_GetFrame();   // borrowed
+    if (frame == nullptr) return;
+    PyCodeObject* code = PyFrame_GetCode(frame);   // new reference
+    const char* file = PyUnicode_AsUTF8(code->co_filename);
+    text_ = std::string(file ? file : "?") + ":" + std::to_string(PyFrame_GetLineNumber(frame));
+    Py_DECREF(code);
+    if (PyErr_Occurred()) PyErr_Clear();
+    matex::SetFlightSite(text_.c_str());
+  }
+  ~PySite() { matex::SetFlightSite(nullptr); }
+
+ private:
+  std::string text_;
+};
+
+py::dict EntryDict(const matex::FlightEntry& e) {
+  py::dict d;
+  d["seq"] = e.seq;
+  d["kind"] = e.kind;
+  d["dtype"] = matex::DataTypeName(static_cast<matex::DataType>(e.dtype));
+  d["param"] = e.param;
+  d["comm_rank"] = e.comm_rank;
+  d["comm_size"] = e.comm_size;
+  d["num_tensors"] = e.num_tensors;
+  d["bytes"] = e.bytes;
+  d["shape"] = std::vector<int64_t>(e.dims, e.dims + e.ndims);
+  d["signature"] = e.signature;
+  d["start"] = e.start;
+  d["agreed"] = e.agreed;
+  d["end"] = e.end;
+  d["state"] = e.state;
+  d["mpi_error_class"] = e.mpi_error_class;
+  d["site"] = std::string(e.site);
+  return d;
+}
+
 py::array EmptyLike(const py::array& a) {
   std::vector<py::ssize_t> shape(a.shape(), a.shape() + a.ndim());
   return py::array(a.dtype(), shape);
@@ -66,6 +108,7 @@ py::array EmptyLike(const py::array& a) {
 
 py::array Allreduce(const py::array& a, const std::string& dtype,
                     const std::string& op) {
+  PySite site;
   matex::TensorRef in = Ref(a);
   py::array out = EmptyLike(a);
   void* dst = out.mutable_data();
@@ -81,6 +124,7 @@ py::array Allreduce(const py::array& a, const std::string& dtype,
 std::vector<py::array> FusedAllreduce(const std::vector<py::array>& arrays,
                                       const std::string& dtype,
                                       const std::string& op) {
+  PySite site;
   std::vector<matex::TensorRef> ins;
   std::vector<py::array> outs;
   std::vector<void*> dsts;
@@ -103,6 +147,7 @@ std::vector<py::array> FusedAllreduce(const std::vector<py::array>& arrays,
 }
 
 py::array Broadcast(const py::array& a, const std::string& dtype, int root) {
+  PySite site;
   matex::TensorRef in = Ref(a);
   py::array out = EmptyLike(a);
   std::memcpy(out.mutable_data(), a.data(), size_t(a.nbytes()));
@@ -117,6 +162,7 @@ py::array Broadcast(const py::array& a, const std::string& dtype, int root) {
 }
 
 py::array Allgather(const py::array& a, const std::string& dtype) {
+  PySite site;
   matex::TensorRef in = Ref(a);
   std::vector<int64_t> first_dims;
   // The output is allocated inside the collective, after the sizes are known:
@@ -158,6 +204,18 @@ PYBIND11_MODULE(_matex_core, m) {
   m.def("stop_progress_thread", &matex::StopProgressThread,
         py::call_guard<py::gil_scoped_release>());
   m.def("progress_thread_running", &matex::ProgressThreadRunning);
+  m.def("set_flight_capacity", &matex::SetFlightCapacity, py::arg("capacity"));
+  m.def("flight_capacity", &matex::FlightCapacity);
+  m.def("flight_sequence", &matex::FlightSequence);
+  m.def("flight_pending_since", &matex::FlightPendingSince);
+  m.def("install_flight_signal", &matex::InstallFlightSignal, py::arg("signum"));
+  m.def("take_flight_signal", &matex::TakeFlightSignal);
+  m.def("flight_entries", [] {
+    std::vector<matex::FlightEntry> entries = matex::FlightEntries();
+    py::list out;
+    for (const auto& e : entries) out.append(EntryDict(e));
+    return out;
+  });
   m.def("comm_info", [] {
     int rank = 0, size = 0;
     matex::Status s = matex::CommInfo(&rank, &size);

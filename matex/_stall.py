@@ -1,0 +1,166 @@
+"""The watchdog thread: SIGUSR1 dumps, stall inspection, stall abort.
+
+One daemon thread per rank wakes every second or so (more often for short
+``MATEX_STALL_WARNING_S``) and, without MPI:
+
+* dumps the flight recorder when SIGUSR1 arrived (the core's signal handler
+  only sets a flag: the dump happens here, even while the main thread is
+  blocked in MPI or in compute);
+* answers stall requests: when another rank's request file
+  (``<flight dir>/stall-request.json``) is newer than the last one answered,
+  it dumps this rank's recorder, which holds its sequence number and the
+  Python stack of every thread;
+* inspects its own collective: when one has waited longer than
+  ``MATEX_STALL_WARNING_S``, it posts a request, waits briefly for the other
+  ranks' dumps and prints one line naming the collective, the ranks that have
+  not arrived (their sequence number is lower) and what each is doing. After
+  ``MATEX_STALL_ABORT_S`` it ends the job (``MPI_Abort``) with that report.
+
+Exchanging through files keeps this working whatever a rank is blocked in; on
+several hosts the flight directory must be on a shared file system for other
+ranks' states to be seen (the line then says "no answer" otherwise).
+"""
+
+import json
+import logging
+import os
+import sys
+import threading
+import time
+from pathlib import Path
+
+from matex import _config
+from matex.flight import _recorder
+
+log = logging.getLogger("matex")
+REQUEST = "stall-request.json"
+
+_started = None
+
+
+def start(core) -> None:
+    """Start the recorder and the watchdog thread for this process (idempotent)."""
+    global _started
+    if _started is not None:
+        return
+    import atexit
+    import signal
+
+    core.set_flight_capacity(_config.flight_entries())
+    core.install_flight_signal(int(signal.SIGUSR1))
+    _started = Watchdog(core, Path(_config.flight_dir()), _config.stall_warning_s(),
+                        _config.stall_abort_s())
+    _started.start()
+    atexit.register(_recorder.dump_at_exit)
+
+
+class Watchdog(threading.Thread):
+    """See the module docstring."""
+
+    def __init__(self, core, directory: Path, warning: float, abort):
+        super().__init__(name="matex-watchdog", daemon=True)
+        self.core, self.directory = core, directory
+        self.warning, self.abort = warning, abort
+        shortest = min(x for x in (warning, abort, 4.0) if x)
+        self.interval = max(0.05, min(1.0, shortest / 4))
+        self.rank = _config.launched_rank()
+        self.size = _config.launched_size() or 1
+        self.answered = time.time()   # requests older than our start are not ours
+        self.reported = 0             # sequence number of the last stall reported
+
+    def run(self):
+        while True:
+            time.sleep(self.interval)
+            try:
+                self.tick()
+            except Exception as exc:   # noqa: BLE001 - the watchdog must outlive a bad tick
+                log.warning("matex: watchdog: %s", exc)
+
+    def tick(self):
+        if self.core.take_flight_signal():
+            path = _recorder.dump("SIGUSR1")
+            sys.stderr.write("matex: rank %d: flight recorder dumped to %s\n" % (self.rank, path))
+        self.answer()
+        since = self.core.flight_pending_since()
+        if not since or not (self.warning or self.abort):
+            return
+        waited = time.time() - since
+        seq = self.core.flight_sequence()
+        if self.abort and waited >= self.abort:
+            line = self.inspect(seq, waited, "stall abort")
+            sys.stderr.write(line + "\n")
+            sys.stderr.write("matex: rank %d: ending the job: collective #%d waited %.1f s "
+                             "(MATEX_STALL_ABORT_S=%g); flight dumps in %s\n"
+                             % (self.rank, seq, waited, self.abort, self.directory))
+            sys.stderr.flush()
+            from mpi4py import MPI
+
+            MPI.COMM_WORLD.Abort(3)
+        elif self.warning and waited >= self.warning and self.reported != seq:
+            self.reported = seq
+            sys.stderr.write(self.inspect(seq, waited, "stall") + "\n")
+            sys.stderr.flush()
+
+    def answer(self):
+        """Dump this rank's state when another rank posted a newer stall request."""
+        try:
+            with open(self.directory / REQUEST) as f:
+                request = json.load(f)
+        except (OSError, ValueError):
+            return
+        if request.get("time", 0) > self.answered and request.get("job") == _config.job_id():
+            self.answered = request["time"]
+            _recorder.dump("stall request from rank %s at collective #%s"
+                           % (request.get("rank"), request.get("seq")), self.directory)
+
+    def inspect(self, seq: int, waited: float, reason: str) -> str:
+        """Ask every rank for its state; return the one-line report of this stall."""
+        posted = time.time()
+        self.directory.mkdir(parents=True, exist_ok=True)
+        tmp = self.directory / (".%s.%d" % (REQUEST, os.getpid()))
+        tmp.write_text(json.dumps({"time": posted, "rank": self.rank, "seq": seq,
+                                   "job": _config.job_id()}))
+        os.replace(tmp, self.directory / REQUEST)
+        self.answered = posted
+        _recorder.dump(reason, self.directory)
+        others = {}
+        deadline = posted + 3 * self.interval + 1.0
+        while True:
+            for r in range(self.size):
+                if r != self.rank and r not in others:
+                    state = _read(self.directory / ("rank%d.json" % r))
+                    if (state and state.get("time", 0) >= posted
+                            and state.get("job") == _config.job_id()):
+                        others[r] = state
+            if len(others) == self.size - 1 or time.time() > deadline:
+                break
+            time.sleep(self.interval / 2)
+        mine = next((e for e in self.core.flight_entries() if e["seq"] == seq), None)
+        what = "collective #%d" % seq
+        if mine:
+            what += " " + _recorder.describe(mine)
+            if mine["site"]:
+                what += " (from %s)" % mine["site"]
+        late = []
+        for r in range(self.size):
+            if r == self.rank:
+                continue
+            state = others.get(r)
+            if state is None:
+                late.append("rank %d [no answer: not responding, or dead]" % r)
+            elif state["sequence"] < seq:
+                main = next(iter(state["stacks"].values()), {}).get("where", "?")
+                late.append("rank %d [last collective #%d; now at %s]"
+                            % (r, state["sequence"], main))
+        return ("matex: stall: rank %d has waited %.1f s in %s; ranks not arrived: %s; "
+                "stacks and flight records in %s"
+                % (self.rank, waited, what, "; ".join(late) or "none (all ranks are in it)",
+                   self.directory))
+
+
+def _read(path: Path):
+    try:
+        with open(path) as f:
+            return json.load(f)
+    except (OSError, ValueError):
+        return None

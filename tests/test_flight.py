@@ -1,0 +1,154 @@
+"""Flight recorder, stall inspector and ``python -m matex.flight`` under real mpiexec.
+
+The probe (tests/scripts/flight_probe.py) runs allreduces on the NumPy core
+(no TensorFlow, so each job takes seconds) on 3 ranks and goes wrong on
+purpose: a mismatch, a rank that sleeps before a collective, a rank that
+skips one, SIGUSR1. The kill test trains tests/scripts/ft_fit.py under
+``--with-ft ulfm`` with rank 2 killed in step 5.
+"""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+import mpitools
+from matex import flight
+from matex import launcher as launch
+
+PROBE = str(mpitools.ROOT / "tests" / "scripts" / "flight_probe.py")
+FT_SCRIPT = str(mpitools.ROOT / "tests" / "scripts" / "ft_fit.py")
+
+
+def _probe(tmp_path, mode, **env):
+    full = dict(os.environ, MATEX_FLIGHT_DIR=str(tmp_path / "flight"),
+                **{k: str(v) for k, v in env.items()})
+    mpi_args = ["-x", "MATEX_FLIGHT_DIR"] + sum((["-x", k] for k in env), [])
+    return mpitools.run_mpi(3, [sys.executable, PROBE, mode], mpi_args=mpi_args, timeout=120,
+                            env=full, cwd=tmp_path)
+
+
+def _stall_lines(err):
+    return [line for line in err.splitlines() if line.startswith("matex: stall:")]
+
+
+def _cli(directory):
+    return subprocess.run([sys.executable, "-m", "matex.flight", str(directory)],
+                          capture_output=True, text=True, timeout=60)
+
+
+def test_mismatch_dumped_and_analysed(tmp_path):
+    proc = _probe(tmp_path, "mismatch")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    dumps = flight.load(tmp_path / "flight")
+    assert [d["world_rank"] for d in dumps] == [0, 1, 2]
+    for d in dumps:
+        assert d["reason"] == "exit after a failed collective"
+        assert [e["seq"] for e in d["entries"]] == [1, 2, 3, 4, 5]
+        assert [e["state"] for e in d["entries"]] == ["ok"] * 4 + ["mismatch"]
+        last = d["entries"][-1]
+        assert last["comm_size"] == 3 and last["dtype"] == "float32"
+        assert last["shape"] == ([5] if d["world_rank"] == 2 else [4])
+        assert last["site"].endswith("flight_probe.py:25"), last["site"]
+        assert all(e["start"] <= e["agreed"] <= e["end"] for e in d["entries"])
+    finding = flight.analyse(dumps)
+    assert (finding.kind, finding.ranks, finding.seq) == ("divergence", [2], 5)
+    cli = _cli(tmp_path / "flight")
+    assert cli.returncode == 0, cli.stderr
+    assert cli.stdout.startswith("ranks diverge at collective #5: rank 2 ran #5 allreduce(sum) "
+                                 "of float32[5]"), cli.stdout
+    assert "First divergent: rank 2." in cli.stdout
+
+
+def test_stall_names_the_sleeping_rank(tmp_path):
+    proc = _probe(tmp_path, "sleep", MATEX_STALL_WARNING_S=2)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    lines = _stall_lines(proc.stderr)
+    # one line per waiting rank (0 and 2), none from the sleeping rank 1
+    assert sorted(line.split()[3] for line in lines) == ["0", "2"], proc.stderr[-3000:]
+    for line in lines:
+        assert "in collective #4 allreduce(sum) of float32[4]" in line, line
+        assert "ranks not arrived: rank 1 [last collective #3; now at " in line, line
+        assert "flight_probe.py:41 in main: time.sleep(5)" in line, line
+        assert "rank 0 [" not in line and "rank 2 [" not in line, line
+
+
+def test_stall_names_the_skipping_rank_and_aborts(tmp_path):
+    proc = _probe(tmp_path, "skip", MATEX_STALL_WARNING_S=2, MATEX_STALL_ABORT_S=4)
+    assert proc.returncode != 0, "the stall abort must end the job"
+    lines = _stall_lines(proc.stderr)
+    assert {line.split()[3] for line in lines} <= {"0", "2"} and lines, proc.stderr[-3000:]
+    for line in lines:
+        assert "ranks not arrived: rank 1 [last collective #3; now at " in line, line
+        assert "flight_probe.py:48 in main: time.sleep(30)" in line, line
+    assert "(MATEX_STALL_ABORT_S=4)" in proc.stderr
+    dumps = flight.load(tmp_path / "flight")
+    assert [d["world_rank"] for d in dumps] == [0, 1, 2]   # the late rank answered too
+    finding = flight.analyse(dumps)
+    assert (finding.kind, finding.ranks, finding.seq) == ("stopped", [1], 4)
+    assert _cli(tmp_path / "flight").stdout.startswith(
+        "rank 1 stopped first: it reached collective #3, while ranks 0, 2 reached #4 ")
+
+
+def test_sigusr1_dumps_every_rank(tmp_path):
+    proc = _probe(tmp_path, "usr1")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stdout.count("dumped True") == 3, proc.stdout
+    for rank in range(3):
+        d = json.loads((tmp_path / "flight" / ("rank%d.json" % rank)).read_text())
+        assert d["reason"] == "SIGUSR1" and d["sequence"] == 3 and d["pending_since"] == 0
+        assert d["world_rank"] == rank and d["world_size"] == 3
+        assert [e["op"] for e in d["entries"]] == ["allreduce(sum) of float32[4]"] * 3
+        main = next(iter(d["stacks"].values()))
+        assert "flight_probe.py" in main["where"] and main["stack"]
+
+
+def test_bad_dump_directories(tmp_path):
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    cli = _cli(empty)
+    assert cli.returncode == 2 and "holds no flight dumps" in cli.stderr, cli.stderr
+    cli = _cli(tmp_path / "nowhere")
+    assert cli.returncode == 2 and "is not a directory" in cli.stderr, cli.stderr
+    (empty / "rank0.json").write_text("{not json")
+    with pytest.raises(flight.FlightError, match="rank0.json is not a readable flight dump"):
+        flight.load(empty)
+
+
+def test_bad_settings(monkeypatch):
+    from matex import _config
+
+    monkeypatch.setenv("MATEX_STALL_WARNING_S", "soon")
+    with pytest.raises(ValueError, match="MATEX_STALL_WARNING_S must be a number"):
+        _config.stall_warning_s()
+    monkeypatch.setenv("MATEX_FLIGHT_ENTRIES", "-1")
+    with pytest.raises(ValueError, match="MATEX_FLIGHT_ENTRIES must be >= 0"):
+        _config.flight_entries()
+
+
+@pytest.mark.ulfm
+def test_kill_under_ft_dumps_survivors_and_names_the_dead_rank(tmp_path):
+    env = launch.launch_env()
+    env.update(TF_CPP_MIN_LOG_LEVEL="2", MATEX_FLIGHT_DIR=str(tmp_path / "flight"),
+               MATEX_INJECT_FAULT="rank=2,step=5,kind=kill")
+    mpi_args = ["-x", "MATEX_INJECT_FAULT", "-x", "MATEX_FLIGHT_DIR"] + launch.ft_mpi_args()
+    cmd = launch.mpiexec_command(3, [sys.executable, "-m", "matex", FT_SCRIPT,
+                                     str(tmp_path / "r"), "300", "32", "1"], mpi_args=mpi_args)
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300,
+                          cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    dumps = flight.load(tmp_path / "flight")
+    assert [d["world_rank"] for d in dumps] == [0, 1], proc.stderr[-3000:]
+    assert all(d["reason"] == "rank failure" for d in dumps)
+    failed = [[e for e in d["entries"] if e["state"] == "MPI error"] for d in dumps]
+    assert all(len(f) == 1 for f in failed), failed
+    seq = failed[0][0]["seq"]
+    assert failed[1][0]["seq"] == seq and failed[0][0]["comm_size"] == 3
+    assert failed[0][0]["op"].startswith(("allreduce", "fused allreduce")), failed[0][0]
+    finding = flight.analyse(dumps)
+    assert (finding.kind, finding.ranks, finding.seq) == ("stopped", [2], seq)
+    out = _cli(tmp_path / "flight").stdout
+    assert out.startswith("rank 2 stopped first (left no dump: died or was killed): ranks 0, 1 "
+                          "failed in collective #%d " % seq), out
