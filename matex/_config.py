@@ -153,3 +153,45 @@ def job_id() -> str:
         if _get(var):
             return _get(var)
     return ""
+
+
+def timeline_dir():
+    """``MATEX_TIMELINE`` (set by ``matexrun --timeline DIR``): where each rank writes its
+    Chrome-trace timeline, or None (no timeline)."""
+    return _get("MATEX_TIMELINE") or None
+
+
+def parse_step_range(text: str, name: str = "MATEX_TIMELINE_STEPS"):
+    """``"100-120"`` (both included) or ``"7"`` -> ``(first, last)``; a clear ValueError else."""
+    parts = text.strip().split("-")
+    try:
+        if len(parts) == 1:
+            first = last = int(parts[0])
+        elif len(parts) == 2:
+            first, last = int(parts[0]), int(parts[1])
+        else:
+            raise ValueError
+    except ValueError:
+        raise ValueError("%s must be a step or a range of steps like 100-120, not %r"
+                         % (name, text)) from None
+    if first < 0 or last < first:
+        raise ValueError("%s: the range %r is empty or negative (first step <= last step, "
+                         "both >= 0)" % (name, text))
+    return first, last
+
+
+def timeline_steps():
+    """``MATEX_TIMELINE_STEPS`` (``matexrun --timeline-steps 100-120``): the training steps the
+    timeline records (first, last), or None (all)."""
+    text = _get("MATEX_TIMELINE_STEPS").strip()
+    return parse_step_range(text) if text else None
+
+
+def monitor() -> bool:
+    """``MATEX_MONITOR`` (``matexrun --monitor``): whether rank 0 prints live job figures."""
+    return _get("MATEX_MONITOR").strip().lower() in ("1", "true", "yes", "on")
+
+
+def monitor_interval() -> float:
+    """``MATEX_MONITOR_INTERVAL``: seconds between the monitor's lines (default 10)."""
+    return _number("MATEX_MONITOR_INTERVAL", 10.0, float, 0.001)
