@@ -28,6 +28,9 @@ def _records(out, n=4):
     return [json.load(open("%s.%d.json" % (out, r))) for r in range(n)]
 
 
+MATEX_TUNERS = ("genetic", "lazy-gp")
+
+
 def _env(**extra):
     env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2", **extra)
     env.pop("MATEX_RANKS_PER_TRIAL", None)
@@ -35,7 +38,7 @@ def _env(**extra):
     return env
 
 
-def _check_kt_search(records, directory, max_trials, k=2):
+def _check_kt_search(records, directory, max_trials, k=2, project="p"):
     """Every trial ran once, on exactly k ranks with equal weights; one writer; same best."""
     fits = {}
     for rank, r in enumerate(records):
@@ -64,7 +67,7 @@ def _check_kt_search(records, directory, max_trials, k=2):
     for r in records[1:]:
         assert r["writes"] == [], "a rank other than the oracle's owner wrote %s" % r["writes"][:5]
     for i in range(max_trials):
-        trial_dir = os.path.join(directory, "p", "trial_%d" % i)
+        trial_dir = os.path.join(directory, project, "trial_%d" % i)
         assert {"trial.json", "checkpoint.weights.h5", "build_config.json"} <= set(
             os.listdir(trial_dir)), trial_dir
     return fits
@@ -79,6 +82,21 @@ def test_unmodified_keras_tuner_script_4_ranks_2_per_trial(tmp_path):
     fits = _check_kt_search(_records(out), directory, 6)
     assert len(fits) == 6
     assert "gRPC" not in proc.stderr and "KERASTUNER" not in proc.stderr
+
+
+def test_genetic_and_lazy_bayesian_search_on_a_keras_model_4_ranks_2_per_trial(tmp_path):
+    """matex.hpo.GeneticSearch then LazyBayesianSearch (3 trials each) in one 4-rank job."""
+    out, directory = str(tmp_path / "r"), str(tmp_path / "tuner")
+    proc = mpitools.run_mpi(
+        4, [sys.executable, "-m", "matex", KT_SCRIPT, out, directory, "3", "overwrite",
+            ",".join(MATEX_TUNERS)],
+        mpi_args=["-x", "MATEX_RANKS_PER_TRIAL"], env=_env(MATEX_RANKS_PER_TRIAL="2"),
+        timeout=600)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    for name in MATEX_TUNERS:
+        records = _records("%s.%s" % (out, name))
+        fits = _check_kt_search(records, directory, 3, project=name)
+        assert len(fits) == 3, (name, list(fits))   # 3 distinct points, each trained once
 
 
 def test_matexrun_ranks_per_trial_then_resume(tmp_path):

@@ -6,7 +6,12 @@ The unmodified Keras Tuner script of tests/test_hpo_distributed.py (6 trials,
 * 2 ranks per trial, a group member killed: its group shrinks to one rank and
   the trial goes on there (fit's own recovery), the search ends with 6 results;
 * 1 rank per trial, the killed rank's group is left empty: its trial goes back
-  to the queue and another group runs it.
+  to the queue and another group runs it;
+* world rank 0, the oracle's owner, killed inside a trial (2 and 1 ranks per
+  trial): the lowest survivor takes the oracle over from the tuner directory,
+  the other groups resend to it; with 2 per trial the owner's group goes on
+  with rank 1 and its trial is re-attached (trained once), with 1 per trial the
+  lost trial is run again by another group.
 
 Every trial is recorded exactly once (the oracle's end order on disk has no
 repeat) and the survivors agree on the best hyperparameters.
@@ -73,3 +78,26 @@ def test_group_left_empty_gives_its_trial_back_to_the_queue(tmp_path):
     fitted = [json.dumps(f["hp"], sort_keys=True) for r in records.values() for f in r["fits"]]
     assert len(fitted) == len(set(fitted)) == 6, fitted   # the lost trial ran again, elsewhere
     assert "goes back to the queue" in proc.stderr
+
+
+def test_oracle_owner_killed_inside_a_trial_survivor_takes_over_2_per_trial(tmp_path):
+    proc, out, directory = _run(tmp_path, 2, "rank=0,step=2,kind=kill")
+    records = _check(proc, out, directory, victim=0)
+    assert proc.stderr.count("took the oracle over") == 1, proc.stderr[-5000:]
+    assert records[1]["writes"], "the new owner (rank 1) wrote nothing"
+    # rank 1 finished the owner's interrupted trial alone (re-attached, not redone) and
+    # trained its later trials alone; group 1 kept both ranks
+    assert records[1]["fits"] and all(f["size"] == 1 for f in records[1]["fits"])
+    assert all(f["size"] == 2 for r in (2, 3) for f in records[r]["fits"])
+    fitted = [h for r in (1, 2) for h in dict.fromkeys(
+        json.dumps(f["hp"], sort_keys=True) for f in records[r]["fits"])]
+    assert len(fitted) == len(set(fitted)) == 6, fitted   # 6 trials, each trained by one group
+
+
+def test_oracle_owner_killed_inside_a_trial_survivor_takes_over_1_per_trial(tmp_path):
+    proc, out, directory = _run(tmp_path, 1, "rank=0,step=2,kind=kill,at=begin")
+    records = _check(proc, out, directory, victim=0)
+    assert proc.stderr.count("took the oracle over") == 1, proc.stderr[-5000:]
+    assert records[1]["writes"], "the new owner (rank 1) wrote nothing"
+    fitted = [json.dumps(f["hp"], sort_keys=True) for r in records.values() for f in r["fits"]]
+    assert len(fitted) == len(set(fitted)) == 6, fitted   # the lost trial ran again, once

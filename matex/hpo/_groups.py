@@ -42,12 +42,13 @@ class Groups:
         from mpi4py import MPI
 
         self.service.Set_errhandler(MPI.ERRORS_RETURN)
+        self.owner_rank = 0   # service rank owning the oracle (a survivor after a takeover)
         self._saved = None
 
     @property
     def owner(self) -> bool:
         """Whether this rank owns the oracle (and is the only writer of the tuner directory)."""
-        return self.service.Get_rank() == 0
+        return self.service.Get_rank() == self.owner_rank
 
     def members(self, index: int) -> list:
         """Service ranks of group ``index``."""
@@ -75,7 +76,11 @@ class Groups:
             _runtime._set_comm(saved)
 
     def shrink_service(self):
-        """Under ULFM: the service communicator without the lost ranks (collective)."""
+        """Under ULFM: the service communicator without the lost ranks (collective).
+
+        The owner is then its rank 0: an owner is always the lowest rank alive
+        when it takes over, and ranks never come back.
+        """
         if _runtime.ft_mode() != "ulfm":
             return
         from mpi4py import MPI
@@ -83,6 +88,7 @@ class Groups:
         old, self.service = self.service, self.service.Shrink()
         self.service.Set_errhandler(MPI.ERRORS_RETURN)
         old.Free()
+        self.owner_rank = 0
 
     @staticmethod
     def resilient(call):

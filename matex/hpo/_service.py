@@ -12,6 +12,15 @@ The thread polls (``Iprobe`` and a short sleep): a blocking receive from any
 source could not be stopped at the end of the search, and under ULFM a
 failed peer must not end the service (its error is acknowledged and the
 service goes on).
+
+Under ULFM the owner itself may die. A rank whose request to the owner fails
+with a rank-failure error acknowledges the failures it knows of and sends to
+the lowest service rank still alive; that rank, when its own request fails
+the same way, takes over: it reloads the oracle from the tuner directory
+(written atomically after every result), gives the trials still running back
+to their groups, and serves. Requests are safe to resend: a result already
+recorded is ignored. No collective is needed, so ranks busy training are not
+disturbed; the service communicator is shrunk at the end of the search.
 """
 
 from __future__ import annotations
@@ -64,9 +73,11 @@ class Handler:
     def __init__(self, oracle, trial_dir, groups: int):
         self.oracle, self.trial_dir = oracle, trial_dir
         self.lock = threading.RLock()
-        self.stopped = set()          # tuner ids told STOPPED
+        self.stopped = set()          # tuner ids told STOPPED, or done with the search
+        self.released = set()         # tuner ids told that the whole search is over
         self.fatal = None   # the oracle's error that ended the search (raised on every rank)
         self.groups = groups
+        self.dead_groups = set        # () -> tuner ids of groups with no rank left
 
     def __call__(self, op, args):
         with self.lock:
@@ -84,6 +95,8 @@ class Handler:
         return trial.get_state()
 
     def op_update_trial(self, trial_id, metrics, step):
+        if trial_id in self.oracle.end_order:   # resent after a takeover: already recorded
+            return self.oracle.get_trial(trial_id).get_state()
         return self.oracle.update_trial(trial_id, metrics, step=step).get_state()
 
     def op_end_trial(self, state, files):
@@ -92,6 +105,11 @@ class Handler:
         if known is not None and known.status in ("COMPLETED", "FAILED") and \
                 trial.trial_id in self.oracle.end_order:
             return None   # already recorded (a report resent after a takeover)
+        # a trial sent back to the queue by a takeover whose group finished it after all
+        from matex import _compat
+
+        queue = _compat.oracle_retry_queue(self.oracle)
+        queue[:] = [t for t in queue if t != trial.trial_id]
         if files:
             directory = self.trial_dir(trial.trial_id)
             for name, data in files.items():
@@ -122,6 +140,15 @@ class Handler:
 
     def op_remaining_trials(self):
         return self.oracle.remaining_trials()
+
+    def op_finish(self, tuner_id):
+        """A group is done; True (and the group may leave) once every group is."""
+        self.stopped.add(tuner_id)
+        everyone = {"matex-group-%d" % g for g in range(self.groups)}
+        over = everyone <= self.stopped | set(self.dead_groups())
+        if over:
+            self.released.add(tuner_id)
+        return over
 
     def requeue(self, tuner_ids):
         """Trials of groups with no rank left go back to the queue (run again, not counted)."""
@@ -230,16 +257,46 @@ class RemoteError(RuntimeError):
 
 
 class Client:
-    """A rank's way to the oracle: local calls on the owner, MPI requests elsewhere."""
+    """A rank's way to the oracle: local calls on the owner, MPI requests elsewhere.
 
-    def __init__(self, comm, handler: Handler | None):
-        self.comm, self.handler = comm, handler
+    ``groups`` holds the service communicator and the owner's rank there;
+    ``take_over(dead)`` makes this rank the owner and returns its ``Handler``.
+    """
+
+    def __init__(self, groups, handler: Handler | None, take_over=None):
+        self.groups, self.handler, self.take_over = groups, handler, take_over
 
     def __call__(self, op, *args):
-        if self.handler is not None:
-            return self.handler(op, args)
-        self.comm.send((op, args), dest=0, tag=REQUEST)
-        ok, value = self.comm.recv(source=0, tag=REPLY)
-        if not ok:
-            raise RemoteError("the oracle's owner (rank 0) failed on %s: %s" % (op, value))
-        return value
+        from mpi4py import MPI
+
+        from matex import _runtime
+        from matex.errors import is_rank_failure
+
+        while self.handler is None:
+            comm, owner = self.groups.service, self.groups.owner_rank
+            try:
+                comm.send((op, args), dest=owner, tag=REQUEST)
+                ok, value = comm.recv(source=owner, tag=REPLY)
+            except MPI.Exception as exc:
+                if not is_rank_failure(exc) or _runtime.ft_mode() != "ulfm" \
+                        or self.take_over is None:
+                    raise
+                self._fail_over(owner)
+                continue   # resend: to the next owner, or to this rank's own handler
+            if not ok:
+                raise RemoteError("the oracle's owner (rank %d) failed on %s: %s"
+                                  % (owner, op, value))
+            return value
+        return self.handler(op, args)
+
+    def _fail_over(self, owner):
+        """The owner is lost: the lowest rank alive owns the oracle now (maybe this one)."""
+        comm = self.groups.service
+        comm.Ack_failed()
+        dead = set(failed_ranks(comm)) | {owner}
+        new = min(r for r in range(comm.Get_size()) if r not in dead)
+        log.warning("matex.hpo: the oracle's owner (rank %d) is lost; rank %d takes over "
+                    "from the tuner directory", owner, new)
+        self.groups.owner_rank = new
+        if new == comm.Get_rank():
+            self.handler = self.take_over(dead)

@@ -23,7 +23,13 @@ MaTEx's own) runs distributed when its script runs on several ranks
   result and the owner writes them, atomically.
 
 Keras Tuner's own JSON writer is made atomic (temporary file + rename), so
-the directory on disk is always a consistent state to resume from.
+the directory on disk is always a consistent state to resume from, and to
+take over from: under ULFM, when the owner dies, the lowest rank alive
+reloads the oracle from it (``Search.take_over``), gives the trials still
+running back to their groups and serves the others, who resend what was not
+acknowledged. At the end every group leader asks the owner whether the whole
+search is over (``finish``), so no group leaves while another may still need
+an owner.
 """
 
 from __future__ import annotations
@@ -248,13 +254,16 @@ def _save(original):
 def _get_trial_dir(original):
     def get_trial_dir(self, trial_id):
         state = getattr(self, "_matex_search", None)
-        if state is None or state.groups.owner:
+        if state is None:
             return original(self, trial_id)
         if state.scratch is not None and trial_id == state.current:
             # the trial this rank runs now: its files go to a private copy, then to the owner
+            # (also on a rank that took the oracle over: the copy is shipped to itself)
             path = os.path.join(state.scratch, "trial_%s" % trial_id)
             os.makedirs(path, exist_ok=True)
             return path
+        if state.groups.owner:
+            return original(self, trial_id)
         return os.path.join(self.project_dir, "trial_%s" % trial_id)
 
     return get_trial_dir
@@ -269,22 +278,67 @@ class Search:
         self.scratch = None
         self.local = None   # the tuner's own oracle object on this rank
         self.current = None  # id of the trial this rank runs
+        self.tuner = self.client = None
 
     def attach(self, tuner):
         """After ``__init__``: serve the oracle (owner), give every rank its ``GroupOracle``."""
-        self.local = tuner.oracle
+        self.local, self.tuner = tuner.oracle, tuner
         if self.groups.owner:
-            get_trial_dir = _compat.base_tuner_class().get_trial_dir._matex_original
-            self.handler = _service.Handler(tuner.oracle, lambda i: get_trial_dir(tuner, i),
-                                            self.groups.count)
+            self._handle()
             self._serve()
-        client = _service.Client(self.groups.service, self.handler)
-        tuner.oracle = GroupOracle(self.local, client, self)
+        self.client = _service.Client(self.groups, self.handler, self.take_over)
+        tuner.oracle = GroupOracle(self.local, self.client, self)
 
-    def _serve(self):
+    def _handle(self):
+        get_trial_dir = _compat.base_tuner_class().get_trial_dir._matex_original
+        tuner = self.tuner
+        self.handler = _service.Handler(self.local, lambda i: get_trial_dir(tuner, i),
+                                        self.groups.count)
+        self.handler.dead_groups = self._dead_groups
+        return self.handler
+
+    def _serve(self, failed=()):
         if self.server is None:
-            self.server = _service.Server(self.groups.service, self.handler,
-                                          self._on_failure).start()
+            self.server = _service.Server(self.groups.service, self.handler, self._on_failure)
+            self.server.failed |= set(failed)
+            self.server.start()
+
+    def take_over(self, dead, serve=True):
+        """The owner died: this rank (the lowest alive) owns the oracle from now on.
+
+        The oracle is reloaded from the tuner directory, which the owner wrote
+        atomically after every result. Keras Tuner's reload sends the trials
+        that were running to the retry queue; those whose group still has a
+        rank go back to that group instead (it is still training them, and
+        reports them here), those of groups with no rank left stay queued, and
+        those with a result on disk are never handed out again. Returns the
+        ``Handler`` this rank's own requests now go to.
+        """
+        from matex.hpo._service import log
+
+        oracle = self.local
+        oracle.trials = {}
+        running = _compat.oracle_reload_from_disk(oracle)
+        queue = _compat.oracle_retry_queue(oracle)
+        lost = self._dead_groups(dead)
+        for tuner_id, trial_id in running.items():
+            trial = oracle.trials.get(trial_id)
+            if trial is None or trial_id in oracle.end_order or tuner_id in lost:
+                continue
+            queue[:] = [t for t in queue if t != trial_id]
+            trial.status = "RUNNING"
+            oracle.ongoing_trials[tuner_id] = trial
+        _service.forget_finished_retries(oracle)
+        oracle.save()
+        log.warning("matex.hpo: rank %d took the oracle over from %s: %d trials recorded, "
+                    "%d running, %d to run again", self.groups.world_rank,
+                    self.tuner.project_dir, len(oracle.end_order), len(oracle.ongoing_trials),
+                    len(queue))
+        self._handle()
+        self.handler.stopped |= lost
+        if serve:
+            self._serve(dead)
+        return self.handler
 
     def _on_failure(self, failed):
         """Owner, ULFM: groups left with no rank give their trial back to the queue."""
@@ -300,6 +354,7 @@ class Search:
         if self.groups.owner:
             self._serve()
             self.handler.stopped.clear()
+            self.handler.released.clear()
         self.scratch = None if self.groups.owner else tempfile.mkdtemp(prefix="matex-hpo-")
         self.groups.service.Barrier()
         self.groups.enter()
@@ -310,13 +365,22 @@ class Search:
     def end(self, tuner):
         oracle = tuner.oracle
         oracle.in_search = False
+        if Groups.leader():
+            # every group leader waits until the whole search is over: until then a
+            # group may still have to take the oracle over, or resend a result
+            while not self.client("finish", group_id(self.groups.index)):
+                time.sleep(0.05)
         if self.groups.owner:
             wanted = {group_id(g) for g in range(self.groups.count)}
-            while not wanted <= self.handler.stopped | self._dead_groups():
+            while not wanted <= self.handler.released | self._dead_groups():
                 time.sleep(0.01)
             self.server.stop()
             self.server = None
         self.groups.shrink_service()
+        if self.groups.owner and self.handler is None:
+            # the owner died after telling every group that the search was over: every
+            # result is on disk, the new rank 0 reads them for the others
+            self.take_over(set(), serve=False)
         final = self.groups.service.bcast(
             self.handler.op_snapshot() if self.groups.owner else None, root=0)
         self.groups.leave()
@@ -334,8 +398,10 @@ class Search:
             raise RuntimeError("matex.hpo: the search stopped on the oracle's error: %s"
                                % final["fatal"])
 
-    def _dead_groups(self):
-        dead = self.server.failed if self.server is not None else set()
+    def _dead_groups(self, dead=None):
+        """Ids of the groups with no rank left (of the failed service ranks known here)."""
+        if dead is None:
+            dead = self.server.failed if self.server is not None else set()
         return {group_id(g) for g in range(self.groups.count)
                 if set(self.groups.members(g)) <= dead}
 

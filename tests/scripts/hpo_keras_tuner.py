@@ -1,6 +1,12 @@
 """An ordinary Keras Tuner RandomSearch script (nothing MaTEx in the search itself).
 
     python -m matex tests/scripts/hpo_keras_tuner.py OUT DIRECTORY [max_trials] [overwrite]
+                                                     [TUNER,...]
+
+TUNER is ``random`` (the default: ``kt.RandomSearch``, project ``p``, records in
+OUT.<rank>.json) or ``genetic`` / ``lazy-gp`` (``matex.hpo.GeneticSearch`` /
+``LazyBayesianSearch``, project TUNER, records in OUT.TUNER.<rank>.json); several
+run one after the other in the same job.
 
 What the test checks is recorded on the side, per world rank, in OUT.<rank>.json:
 every fit this rank ran (hyperparameters, the size of the communicator it ran
@@ -25,6 +31,7 @@ import matex
 out, directory = sys.argv[1], os.path.abspath(sys.argv[2])
 max_trials = int(sys.argv[3]) if len(sys.argv) > 3 else 6
 overwrite = len(sys.argv) <= 4 or sys.argv[4] == "overwrite"
+tuners = sys.argv[5].split(",") if len(sys.argv) > 5 else ["random"]
 world_rank = int(os.environ.get("OMPI_COMM_WORLD_RANK", "0"))
 writes = set()
 
@@ -92,17 +99,35 @@ def build(hp):
 rng = np.random.default_rng(0)
 x = rng.normal(size=(96, 4)).astype("float32")
 y = (x[:, 0] > 0).astype("int64") + (x[:, 1] > 0.5).astype("int64")
-tuner = kt.RandomSearch(build, objective="val_accuracy", max_trials=max_trials, seed=3,
-                        directory=directory, project_name="p", overwrite=overwrite)
-tuner.search(x, y, validation_split=0.25, epochs=2, batch_size=16, verbose=0,
-             callbacks=[Record()])
-best = tuner.get_best_hyperparameters(2)
-models = tuner.get_best_models(1)
-trials = tuner.oracle.get_best_trials(100)
-record = {"fits": fits, "best": [h.values for h in best], "best_digest": digest(models[0]),
-          "trials": {t.trial_id: {"status": t.status, "hp": t.hyperparameters.values,
-                                  "score": t.score} for t in trials},
-          "writes": sorted(p for p in writes if os.path.abspath(p).startswith(directory)),
-          "size": matex.size()}
-with open("%s.%d.json" % (out, world_rank), "w") as f:
-    json.dump(record, f)
+
+
+def make_tuner(name):
+    common = dict(objective="val_accuracy", max_trials=max_trials, seed=3, directory=directory,
+                  overwrite=overwrite)
+    if name == "random":
+        return kt.RandomSearch(build, project_name="p", **common)
+    from matex import hpo
+
+    if name == "genetic":
+        return hpo.GeneticSearch(build, population_size=2, elitism=1, project_name=name,
+                                 **common)
+    return hpo.LazyBayesianSearch(build, num_initial_points=2, project_name=name, **common)
+
+
+for name in tuners:
+    fits.clear()
+    writes.clear()
+    tuner = make_tuner(name)
+    tuner.search(x, y, validation_split=0.25, epochs=2, batch_size=16, verbose=0,
+                 callbacks=[Record()])
+    best = tuner.get_best_hyperparameters(2)
+    models = tuner.get_best_models(1)
+    trials = tuner.oracle.get_best_trials(100)
+    record = {"fits": fits, "best": [h.values for h in best], "best_digest": digest(models[0]),
+              "trials": {t.trial_id: {"status": t.status, "hp": t.hyperparameters.values,
+                                      "score": t.score} for t in trials},
+              "writes": sorted(p for p in writes if os.path.abspath(p).startswith(directory)),
+              "size": matex.size()}
+    name_part = "" if name == "random" else name + "."
+    with open("%s.%s%d.json" % (out, name_part, world_rank), "w") as f:
+        json.dump(record, f)
