@@ -13,6 +13,11 @@ from matex import _collectives, _config
 
 fusion_threshold = _config.fusion_threshold
 
+# Fused op's node name -> the names of the tensors in its bucket, recorded when
+# a graph is built (nothing per step): the timeline labels each fused
+# collective with them.
+bucket_names = {}
+
 
 def _nbytes(t):
     n = t.shape.num_elements()
@@ -41,8 +46,12 @@ def plan_buckets(tensors, threshold):
     return buckets
 
 
-def allreduce_gradients(grads, op="average", threshold=None):
-    """Reduce a list of gradients over ranks; ``None`` entries stay ``None``."""
+def allreduce_gradients(grads, op="average", threshold=None, names=None):
+    """Reduce a list of gradients over ranks; ``None`` entries stay ``None``.
+
+    ``names``: one name per gradient (its variable's), for the timeline's
+    view of each fused bucket; default the gradient tensors' names.
+    """
     if threshold is None:
         threshold = fusion_threshold()
     present = [i for i, g in enumerate(grads) if g is not None]
@@ -53,6 +62,17 @@ def allreduce_gradients(grads, op="average", threshold=None):
             reduced = [_collectives.allreduce(dense[bucket[0]], op)]
         else:
             reduced = _collectives.grouped_allreduce([dense[j] for j in bucket], op)
+            _remember_bucket(reduced, [names[present[j]] if names else None for j in bucket],
+                             [dense[j] for j in bucket])
         for j, r in zip(bucket, reduced):
             out[present[j]] = r
     return out
+
+
+def _remember_bucket(reduced, names, tensors):
+    """Record the bucket's tensor names under its op's node name (graph mode only)."""
+    op = getattr(reduced[0], "op", None) if reduced else None
+    node = getattr(op, "name", None) if op is not None else None
+    if not node:
+        return   # eager: no node name to look up
+    bucket_names[node] = [n or getattr(t, "name", "?") for n, t in zip(names, tensors)]

@@ -63,10 +63,11 @@ class _DistributedMixin:
         if hook is not None:
             gates.append(hook)
         with tf.control_dependencies(gates):
+            names = _variable_names(trainable_variables, len(grads))
             if state.rows is not None and state.op == "average":
-                grads = _weighted_average(grads, state.rows, state.threshold)
+                grads = _weighted_average(grads, state.rows, state.threshold, names)
             else:
-                grads = _fusion.allreduce_gradients(grads, state.op, state.threshold)
+                grads = _fusion.allreduce_gradients(grads, state.op, state.threshold, names)
         if tf.executing_eagerly():
             return super().apply(grads, trainable_variables)
         # All-or-nothing update: no variable changes before every reduction
@@ -115,14 +116,21 @@ class _DistributedMixin:
             return tf.cond(flag.read_value(), sync, lambda: tf.constant(False))
 
 
-def _weighted_average(grads, rows, threshold):
+def _variable_names(variables, count):
+    """The variables' paths (the timeline names a fused bucket's tensors by them), or None."""
+    if not variables or len(variables) != count or tf.executing_eagerly():
+        return None
+    return [getattr(v, "path", None) or getattr(v, "name", None) for v in variables]
+
+
+def _weighted_average(grads, rows, threshold, names=None):
     """Sum over ranks of grad_r * rows_r / total rows: the global-batch gradient."""
     rows = tf.cast(rows, tf.float64)
     total = _collectives.allreduce(rows, "sum")
     weight = tf.math.divide_no_nan(rows, total)
     scaled = [None if g is None else tf.convert_to_tensor(g) * tf.cast(weight, g.dtype)
               for g in grads]
-    return _fusion.allreduce_gradients(scaled, "sum", threshold)
+    return _fusion.allreduce_gradients(scaled, "sum", threshold, names)
 
 
 class rows_of_step:

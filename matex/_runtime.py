@@ -243,6 +243,9 @@ def _core():
     from matex import _stall
 
     _stall.start(module)   # flight recorder, SIGUSR1 dumps, stall inspector (once)
+    from matex import timeline
+
+    timeline.autostart()   # MATEX_TIMELINE (once; nothing when unset)
     return module
 
 

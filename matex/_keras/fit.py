@@ -81,6 +81,23 @@ def _merge_histories(histories):
 _announced = False
 
 
+def _observers(global_batch):
+    """The timeline's and the monitor's callbacks, when asked for (else none: no cost).
+
+    They come before the script's callbacks, so that ``TensorBoard`` sees the
+    monitor's epoch figures.
+    """
+    from matex import timeline
+    from matex.callbacks import MonitorCallback, TimelineCallback
+
+    out = []
+    if timeline.active() or _config.timeline_dir():
+        out.append(TimelineCallback())
+    if _config.monitor():
+        out.append(MonitorCallback(global_batch))
+    return out
+
+
 def _announce(size, ft):
     global _announced
     if not _announced and _runtime.rank() == 0 and (ft or size > 1):
@@ -126,6 +143,7 @@ def fit(original):
             from matex._keras.checkpoint import AtomicBackupAndRestore
 
             callbacks.append(AtomicBackupAndRestore(_config.checkpoint_dir()))
+        observers = _observers(batch)
         ft = _resilience.mode() == "ulfm"
         state = _recovery.model_state(self, track_steps=ft)
         step_begin = _StepBegin(state if ft else None)
@@ -153,7 +171,7 @@ def fit(original):
                 a["verbose"] = quiet(verbose)
                 a["callbacks"] = rank0_callbacks(
                     [BroadcastGlobalVariablesCallback(0), step_begin, AverageMovingStatistics()]
-                    + callbacks)
+                    + observers + callbacks)
                 try:
                     histories.append(call(original, bound))
                 except tf.errors.InvalidArgumentError as exc:

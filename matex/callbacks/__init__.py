@@ -7,6 +7,9 @@ from matex.callbacks.broadcast_global_variables import BroadcastGlobalVariablesC
 from matex.callbacks.learning_rate_warmup import (LearningRateWarmupCallback,
                                                   check_learning_rate_settable)
 from matex.callbacks.metric_average import MetricAverageCallback
+from matex.callbacks.monitor import MonitorCallback
+from matex.callbacks.timeline import TimelineCallback
 
 __all__ = ["BroadcastGlobalVariablesCallback", "MetricAverageCallback",
-           "LearningRateWarmupCallback", "check_learning_rate_settable"]
+           "LearningRateWarmupCallback", "check_learning_rate_settable",
+           "MonitorCallback", "TimelineCallback"]

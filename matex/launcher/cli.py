@@ -182,6 +182,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--ranks-per-trial", type=int, default=None, metavar="K",
                         help="hyperparameter search (Keras Tuner, matex.hpo): ranks that train "
                              "one trial together, data-parallel; must divide -n (default: all)")
+    parser.add_argument("--timeline", metavar="DIR",
+                        help="each rank writes a Chrome-trace timeline to DIR/timeline-rank<N>"
+                             ".json (merge: python -m matex.timeline merge DIR)")
+    parser.add_argument("--timeline-steps", metavar="FIRST-LAST",
+                        help="with --timeline: record only these training steps, e.g. 100-120")
+    parser.add_argument("--monitor", action="store_true",
+                        help="rank 0 prints the job's samples/s, slowest rank and allreduce "
+                             "share every MATEX_MONITOR_INTERVAL seconds (default 10)")
     parser.add_argument("--mpi-arg", action="append", default=[], metavar="ARG",
                         help="extra argument for mpiexec (repeatable)")
     _add_cluster_options(parser)
@@ -220,6 +228,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         env["MATEX_RANKS_PER_TRIAL"] = str(opts.ranks_per_trial)
         if "MATEX_RANKS_PER_TRIAL" not in cluster_args:
             mpi_args = ["-x", "MATEX_RANKS_PER_TRIAL"] + mpi_args
+    for var, value in _observability_env(opts, parser).items():
+        env[var] = value
+        if var not in cluster_args:
+            mpi_args = ["-x", var] + mpi_args
     if opts.restart:
         if opts.ft:
             parser.error("--restart is the fallback without ULFM; do not combine it with --ft")
@@ -255,3 +267,29 @@ def main(argv: Sequence[str] | None = None) -> int:
     finally:
         if tmpdir:
             shutil.rmtree(tmpdir, ignore_errors=True)
+
+
+def _observability_env(opts, parser) -> dict:
+    """``--timeline``/``--timeline-steps``/``--monitor`` as the ranks' variables, checked now:
+    an unwritable timeline directory or a malformed step range fails before launching."""
+    from matex import _config
+    from matex.timeline import TimelineError, check_writable
+
+    env = {}
+    if opts.timeline_steps is not None:
+        if not opts.timeline:
+            parser.error("--timeline-steps goes with --timeline")
+        try:
+            _config.parse_step_range(opts.timeline_steps, "--timeline-steps")
+        except ValueError as exc:
+            parser.error(str(exc))
+        env["MATEX_TIMELINE_STEPS"] = opts.timeline_steps
+    if opts.timeline:
+        try:
+            check_writable(opts.timeline)
+        except TimelineError as exc:
+            parser.error(str(exc))
+        env["MATEX_TIMELINE"] = os.path.abspath(opts.timeline)
+    if opts.monitor:
+        env["MATEX_MONITOR"] = "1"
+    return env

@@ -1,0 +1,119 @@
+"""The timeline: one Chrome-trace/Perfetto JSON per rank of what each collective and step did.
+
+Start it with ``matexrun --timeline DIR`` (or ``MATEX_TIMELINE=DIR``, or
+``matex.timeline.start(DIR)`` on every rank); ``--timeline-steps 100-120``
+(``MATEX_TIMELINE_STEPS``) records only those training steps. Each rank
+writes ``DIR/timeline-rank<N>.json`` locally while it trains (a background
+thread drains the flight recorder's ring: nothing accumulates in memory),
+on clocks aligned with rank 0's at start. ``python -m matex.timeline merge
+DIR`` writes ``DIR/merged.json``, one process row per rank, for
+chrome://tracing or https://ui.perfetto.dev.
+
+What it shows per collective: the wait for the slowest rank, the agreement
+check, the transfer and the bytes (plus the tensors of a fused bucket); per
+``fit`` step: forward+backward, allreduce and apply. Reader time is not
+recorded. When no timeline is asked for, nothing of this runs.
+"""
+
+import atexit
+import threading
+
+from matex import _config
+from matex.timeline._writer import TimelineError, Writer, check_writable, filename
+
+__all__ = ["start", "stop", "active", "TimelineError", "check_writable", "filename"]
+
+_writer = None
+_lock = threading.Lock()
+_autostarted = False
+
+
+def parse_steps(steps):
+    """``"100-120"``, ``(100, 120)``, ``7`` or None -> ``(first, last)`` or None."""
+    if steps is None:
+        return None
+    if isinstance(steps, int):
+        steps = (steps, steps)
+    if isinstance(steps, str):
+        return _config.parse_step_range(steps, "timeline steps")
+    first, last = steps
+    return _config.parse_step_range("%d-%d" % (first, last), "timeline steps")
+
+
+def start(directory, steps=None) -> None:
+    """Start writing this rank's timeline to ``directory`` (collective: call on every rank).
+
+    ``steps``: record only these training steps (``"100-120"`` or a pair,
+    both included); None records all. Raises ``TimelineError`` at once, on
+    every rank, when a rank cannot write to ``directory`` or ``steps`` is
+    malformed.
+    """
+    global _writer
+    from matex import _runtime
+
+    try:
+        steps = parse_steps(steps)
+    except ValueError as exc:
+        raise TimelineError(str(exc)) from None
+    core = _runtime._core()
+    control = _runtime.control()
+    with _lock:
+        if _writer is not None:
+            raise TimelineError("matex.timeline: already recording to %s" % _writer.path.parent)
+        error, writer = None, None
+        try:
+            directory = check_writable(directory)
+            writer = Writer(core, directory, _config.launched_rank(),
+                            _config.launched_size() or control.Get_size(), steps)
+        except (TimelineError, OSError) as exc:
+            error = str(exc)
+        errors = control.allgather(error)
+        bad = [(r, e) for r, e in enumerate(errors) if e]
+        if bad:
+            if writer is not None:
+                writer.file.close()
+            raise TimelineError("; ".join("rank %d: %s" % (r, e) for r, e in bad))
+        if core.flight_capacity() == 0:
+            core.set_flight_capacity(1024)   # the timeline reads the flight recorder's ring
+        from matex.timeline._clock import align
+
+        offset, origin, round_trip = align(control)
+        writer.begin(offset, origin, round_trip, _config.job_id())
+        writer.last_seq = core.flight_sequence()
+        writer.start()
+        _writer = writer
+    atexit.register(stop)
+
+
+def stop() -> None:
+    """Finish this rank's timeline file (not collective; also runs at exit)."""
+    global _writer
+    with _lock:
+        writer, _writer = _writer, None
+    if writer is not None:
+        writer.stop()
+
+
+def active() -> bool:
+    """Whether this rank is writing a timeline now."""
+    return _writer is not None
+
+
+def writer():
+    """The running writer, or None (used by the timeline callback)."""
+    return _writer
+
+
+def autostart() -> None:
+    """Start the timeline ``MATEX_TIMELINE`` asks for (once; at MaTEx's start, on every rank)."""
+    global _autostarted
+    if _autostarted:
+        return
+    _autostarted = True
+    directory = _config.timeline_dir()
+    if directory:
+        try:
+            steps = _config.timeline_steps()
+        except ValueError as exc:
+            raise TimelineError(str(exc)) from None
+        start(directory, steps)

@@ -1,0 +1,38 @@
+"""Test script: a tiny model trained by fit (run under ``python -m matex``) with a fused bucket.
+
+Usage: timeline_fit.py OUT STEPS [api]
+
+Trains STEPS steps in 2 epochs on 2 dense layers (4 variables, one fused
+bucket), then writes OUT.<rank>.json: the History and the optimizer's step
+count. "api": starts and stops the timeline with ``matex.timeline.start``
+and ``stop`` (directory OUT.timeline) instead of the environment.
+"""
+
+import json
+import os
+import sys
+
+import keras
+import numpy as np
+
+out, steps = sys.argv[1], int(sys.argv[2])
+api = "api" in sys.argv[3:]
+batch = 16
+rng = np.random.default_rng(0)
+x = rng.normal(size=(batch * steps, 8)).astype("float32")
+y = (x[:, :4].sum(1) > 0).astype("int64")
+keras.utils.set_random_seed(0)
+model = keras.Sequential([keras.Input((8,)), keras.layers.Dense(16, activation="relu"),
+                          keras.layers.Dense(2)])
+model.compile(optimizer=keras.optimizers.SGD(0.01),
+              loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+if api:
+    from matex import timeline
+
+    timeline.start(out + ".timeline", steps=os.environ.get("TEST_STEPS") or None)
+history = model.fit(x, y, batch_size=batch, epochs=2, verbose=0)
+if api:
+    timeline.stop()
+rank = int(os.environ.get("OMPI_COMM_WORLD_RANK", "0"))
+with open("%s.%d.json" % (out, rank), "w") as f:
+    json.dump({"history": history.history, "iterations": int(model.optimizer.iterations)}, f)

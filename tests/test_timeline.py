@@ -1,0 +1,193 @@
+"""Timeline (``matexrun --timeline``, ``matex.timeline``) and live monitor under real mpiexec.
+
+tests/scripts/timeline_fit.py trains a tiny model with ``fit`` (20 steps per
+epoch, 2 epochs; one fused gradient bucket per step). The runs go through
+``matexrun`` itself, so its flags and their checks are tested too.
+"""
+
+import json
+import os
+import statistics
+import subprocess
+import sys
+
+import pytest
+
+import mpitools
+from matex import _config
+from matex.timeline import TimelineError
+from matex.timeline import _merge
+
+SCRIPT = str(mpitools.ROOT / "tests" / "scripts" / "timeline_fit.py")
+STEPS = 20   # per epoch; 2 epochs
+
+
+def _matexrun(tmp_path, *flags, nranks=2, script_args=(), env=None, timeout=300):
+    from matex import launcher
+
+    full = launcher.launch_env(dict(os.environ, **(env or {})))
+    full.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+    cmd = [sys.executable, "-m", "matex.launcher", "-n", str(nranks), *flags, SCRIPT,
+           str(tmp_path / "out"), str(STEPS), *script_args]
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=full,
+                          cwd=tmp_path)
+
+
+def _events(path):
+    with open(path) as f:
+        events = json.load(f)   # a clean stop leaves a complete JSON array
+    assert isinstance(events, list) and events
+    for e in events:
+        assert {"ph", "pid", "tid"} <= set(e), e
+        assert e["ph"] == "M" or isinstance(e["ts"], (int, float)), e
+        if e["ph"] == "X":
+            assert e["dur"] >= 0, e
+    return events
+
+
+def _spans(events, cat):
+    return [e for e in events if e["ph"] == "X" and e.get("cat") == cat]
+
+
+def _check_traces(directory, nranks):
+    """Per-rank files and the merged one: valid, monotonic per rank, aligned across ranks."""
+    for r in range(nranks):
+        events = _events(directory / ("timeline-rank%d.json" % r))
+        assert {e["pid"] for e in events} == {r}
+    merge = subprocess.run([sys.executable, "-m", "matex.timeline", "merge", str(directory)],
+                           capture_output=True, text=True, timeout=60)
+    assert merge.returncode == 0, merge.stderr
+    merged = _events(directory / "merged.json")
+    rows = {e["pid"]: e["args"]["name"] for e in merged if e.get("name") == "process_name"}
+    assert rows == {r: "rank %d" % r for r in range(nranks)}
+    by_rank = {r: sorted(_spans([e for e in merged if e["pid"] == r], "collective"),
+                         key=lambda e: e["args"]["seq"]) for r in range(nranks)}
+    seqs = [[e["args"]["seq"] for e in by_rank[r]] for r in range(nranks)]
+    assert all(s == seqs[0] for s in seqs) and seqs[0], seqs
+    for r, spans in by_rank.items():   # one rank's collectives run one after another
+        for a, b in zip(spans, spans[1:]):
+            assert a["ts"] + a["dur"] <= b["ts"] + 1e-3, (r, a, b)
+    ends, gaps = [], []
+    for i in range(len(seqs[0])):
+        same = [by_rank[r][i] for r in range(nranks)]
+        starts = [e["ts"] for e in same]
+        finish = [e["ts"] + e["dur"] for e in same]
+        # nobody leaves a collective before the last rank entered it (1 ms of clock error)
+        gaps.append(max(starts) - min(finish))
+        ends.append(max(finish) - min(finish))
+    assert max(gaps) < 1000, "a rank left before another arrived: %.0f us" % max(gaps)
+    assert statistics.median(ends) < 1000, "ends %.0f us apart (median)" % statistics.median(
+        ends)
+    waits = _spans(merged, "wait")
+    checks = _spans(merged, "check")
+    transfers = _spans(merged, "transfer")
+    assert len(waits) == len(checks) == len(transfers) == nranks * len(seqs[0])
+    assert all(w["args"]["slowest_rank"] in range(nranks) for w in waits)
+    return merged
+
+
+def test_timeline_and_monitor_through_matexrun(tmp_path):
+    proc = _matexrun(tmp_path, "--timeline", "tl", "--monitor",
+                     env={"MATEX_MONITOR_INTERVAL": "0.2"})
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    merged = _check_traces(tmp_path / "tl", 2)
+    rank0 = [e for e in merged if e["pid"] == 0]
+    steps = _spans(rank0, "step")
+    assert sorted(e["args"]["step"] for e in steps) == list(range(2 * STEPS))
+    phases = _spans(rank0, "phase")
+    assert [p["name"] for p in phases[:3]] == ["forward+backward", "allreduce", "apply"]
+    for step in steps:   # phases tile their step
+        mine = [p for p in phases if p["args"]["step"] == step["args"]["step"]]
+        assert len(mine) == 3
+        assert abs(mine[0]["ts"] - step["ts"]) < 0.01
+        assert abs(mine[2]["ts"] + mine[2]["dur"] - step["ts"] - step["dur"]) < 0.01
+    buckets = [e for e in _spans(rank0, "collective") if "tensors" in e["args"]]
+    grads = [b for b in buckets if b["args"]["num_tensors"] == 4]
+    assert len(grads) == 2 * STEPS, len(grads)   # one gradient bucket per step
+    assert sorted(grads[0]["args"]["tensors"]) == sorted(
+        ["sequential/dense/kernel", "sequential/dense/bias", "sequential/dense_1/kernel",
+         "sequential/dense_1/bias"]), grads[0]["args"]["tensors"]
+    assert grads[0]["args"]["bytes"] == (8 * 16 + 16 + 16 * 2 + 2) * 4
+    # the monitor: rank 0's lines, and the figures in every rank's History
+    lines = [ln for ln in proc.stderr.splitlines() if ln.startswith("matex monitor: step ")]
+    assert lines, proc.stderr[-3000:]
+    assert all("samples/s; slowest rank " in ln and "% of step" in ln for ln in lines)
+    for r in range(2):
+        with open(tmp_path / ("out.%d.json" % r)) as f:
+            history = json.load(f)["history"]
+        assert len(history["loss"]) == 2
+        assert all(v > 0 for v in history["matex_samples_per_s"])
+        assert all(v in (0, 1) for v in history["matex_slowest_rank"])
+        assert all(v >= 0 for v in history["matex_slowest_lag_ms"])
+        assert all(0 < v < 1 for v in history["matex_allreduce_share"])
+
+
+def test_sampling_records_only_the_requested_steps(tmp_path):
+    proc = _matexrun(tmp_path, "--timeline", "tl", "--timeline-steps", "5-7")
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    assert "matex monitor" not in proc.stderr   # off unless asked for
+    merged = _check_traces(tmp_path / "tl", 2)
+    for r in range(2):
+        mine = [e for e in merged if e["pid"] == r]
+        steps = _spans(mine, "step")
+        assert sorted(e["args"]["step"] for e in steps) == [5, 6, 7]
+        windows = [(s["ts"], s["ts"] + s["dur"]) for s in steps]
+        collectives = _spans(mine, "collective")
+        assert len(collectives) == sum(s["args"]["collectives"] for s in steps) > 0
+        for c in collectives:   # every recorded collective lies inside a sampled step
+            assert any(lo <= c["ts"] and c["ts"] + c["dur"] <= hi for lo, hi in windows), c
+
+
+def test_api_start_stop_on_three_ranks(tmp_path):
+    proc = _matexrun(tmp_path, nranks=3, script_args=["api"], env={"TEST_STEPS": "30-32"})
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    merged = _check_traces(tmp_path / "out.timeline", 3)
+    assert sorted(e["args"]["step"] for e in _spans(merged, "step")) == [30, 30, 30, 31, 31,
+                                                                         31, 32, 32, 32]
+
+
+def test_unwritable_directory_fails_at_start(tmp_path):
+    blocker = tmp_path / "a-file"
+    blocker.write_text("")
+    proc = _matexrun(tmp_path, "--timeline", str(blocker / "tl"), timeout=60)
+    assert proc.returncode == 2
+    assert "cannot write the timeline to %s" % (blocker / "tl") in proc.stderr, proc.stderr
+    assert not (tmp_path / "out.0.json").exists()
+    # set through the environment: every rank fails at MaTEx's start, before training
+    proc = _matexrun(tmp_path, env={"MATEX_TIMELINE": str(blocker / "tl")}, timeout=120)
+    assert proc.returncode != 0
+    assert "TimelineError: rank 0: matex.timeline: cannot write the timeline to" in proc.stderr
+    assert not (tmp_path / "out.0.json").exists() and not (tmp_path / "out.1.json").exists()
+
+
+@pytest.mark.parametrize("text", ["7-3", "abc", "1-2-3", "-4", ""])
+def test_malformed_step_range_is_a_clear_error(tmp_path, text):
+    proc = _matexrun(tmp_path, "--timeline", "tl", "--timeline-steps", text, timeout=60)
+    assert proc.returncode == 2
+    assert "--timeline-steps" in proc.stderr and repr(text) in proc.stderr, proc.stderr
+    with pytest.raises(ValueError, match="MATEX_TIMELINE_STEPS"):
+        _config.parse_step_range(text)
+
+
+def test_step_range_parsing():
+    assert _config.parse_step_range("100-120") == (100, 120)
+    assert _config.parse_step_range(" 7 ") == (7, 7)
+
+
+def test_merge_of_a_directory_without_timelines(tmp_path):
+    with pytest.raises(TimelineError, match="no timeline files"):
+        _merge.merge(tmp_path)
+    cli = subprocess.run([sys.executable, "-m", "matex.timeline", "merge", str(tmp_path)],
+                         capture_output=True, text=True, timeout=60)
+    assert cli.returncode == 2 and "no timeline files" in cli.stderr
+
+
+def test_merge_reads_a_file_its_rank_never_closed(tmp_path):
+    lines = ['[', '{"ph":"M","pid":0,"tid":0,"name":"matex_timeline","args":'
+             '{"format":"matex-timeline/1","job":"j","origin_s":1.0}},',
+             '{"ph":"X","pid":0,"tid":1,"name":"x","cat":"step","ts":1,"dur":2},',
+             '{"ph":"X","pid":0,"tid":1,"na']
+    (tmp_path / "timeline-rank0.json").write_text("\n".join(lines))
+    path, ranks, count = _merge.merge(tmp_path)
+    assert ranks == [0] and count == 2
+    assert [e["name"] for e in json.loads(path.read_text())] == ["matex_timeline", "x"]
