@@ -140,3 +140,45 @@ def test_reader_bandwidth(tmp_path):
         assert set(figures) == {"numpy", "dataset", "floor", "dataset_fit", "floor_fit",
                                 "h5py_fancy"}
         assert all(math.isfinite(n) and n > 0 for n in figures.values())
+
+
+def test_hpo_driver(tmp_path):
+    stdout, results = run_driver("hpo", tmp_path, timeout=600)
+    # two tables, each checked as the other drivers' one: GP sizes; functions x algorithms
+    blocks = "\n".join(line if line.startswith("|") else "" for line in stdout.splitlines())
+    blocks = [block for block in blocks.split("\n\n") if block.strip("\n")]
+    assert len(blocks) == 2, stdout
+    for block, count in zip(blocks, (3, 2 * 4)):
+        assert_finite_table(block)
+        assert len(table_rows(block)) == count
+    assert_targets(stdout, 4)
+    per = results["gp_update"]["per_observation"]
+    assert set(per) == {str(n) for n in results["gp_update"]["sizes"]}
+    assert all(math.isfinite(n) and n > 0 for n in numbers(per))
+    quality = results["quality"]
+    assert quality["seeds"] == 2 and len(quality["budgets"]) == 2
+    minima = {"branin": 0.397887, "hartmann6": -3.32237}
+    for function, algorithms in quality["functions"].items():
+        assert set(algorithms) == {"random", "kt_bo", "lazy_bo", "genetic"}
+        for entry in algorithms.values():
+            first, last = (entry["median_best"][str(b)] for b in quality["budgets"])
+            # real function values: never below the known minimum, never worse with more trials
+            assert minima[function] - 1e-5 <= last <= first
+
+
+def test_hpo_workflow_driver(tmp_path):
+    stdout, results = run_driver("hpo_workflow", tmp_path, timeout=1500)
+    assert_finite_table(stdout)
+    assert_targets(stdout, 2)
+    assert set(results) == {"utilisation", "layouts", "failure"}
+    util = results["utilisation"]
+    assert util["groups"] == 8 and util["trials"] == 32
+    assert 0 < util["busy_fraction_with_start"] <= util["busy_fraction"] <= 1
+    assert set(results["layouts"]) == {"8x1", "4x2", "1x8"}
+    for layout in results["layouts"].values():
+        assert layout["seconds"] > 0 and 0 < layout["best_accuracy"] <= 1
+    base, hurt = results["failure"]["baseline"], results["failure"]["killed"]
+    assert base["trials"] == hurt["trials"] == 16
+    assert base["started"] == 16 and base["failed"] == base["redone"] == 0
+    # one rank killed in a trial (1 rank per trial): that trial is lost once and run again
+    assert hurt["started"] == 17 and hurt["failed"] == hurt["redone"] == 1
