@@ -109,6 +109,13 @@ def fit(original):
     @functools.wraps(original)
     def fit(self, *args, scaling=None, **kwargs):
         if getattr(self, "_matex_explicit", False):
+            bound = bind(original, self, *args, **kwargs)
+            given = bound.arguments["batch_size"]   # None for a dataset: steps/s instead
+            observers = _observers(given * _runtime.size() if given else None)
+            if observers:
+                bound.arguments["callbacks"] = observers + list(bound.arguments["callbacks"]
+                                                                or [])
+                args, kwargs = bound.args[1:], bound.kwargs
             return explicit(self, original, args, kwargs)
         from matex.callbacks import (BroadcastGlobalVariablesCallback,
                                      LearningRateWarmupCallback, check_learning_rate_settable)

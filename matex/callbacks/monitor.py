@@ -52,8 +52,10 @@ def figures(gathered, global_batch: int, elapsed: float) -> dict:
     waits = [t[3] for t in gathered]
     slowest = min(range(len(waits)), key=waits.__getitem__)
     shares = [t[2] / t[1] for t in gathered if t[1] > 0]
+    rate = steps / elapsed if elapsed > 0 else 0.0
     return {
-        "matex_samples_per_s": global_batch * steps / elapsed if elapsed > 0 else 0.0,
+        ("matex_samples_per_s" if global_batch else "matex_steps_per_s"):
+            rate * (global_batch or 1),
         "matex_slowest_rank": slowest,
         "matex_slowest_lag_ms": (max(waits) - waits[slowest]) / steps * 1e3,
         "matex_allreduce_share": sum(shares) / len(shares) if shares else 0.0,
@@ -64,7 +66,8 @@ class MonitorCallback(keras.callbacks.Callback):
     """See the module docstring. ``fit`` adds it on every rank under ``MATEX_MONITOR=1``.
 
     Args:
-      global_batch: samples per step for the whole job.
+      global_batch: samples per step for the whole job; None when unknown (a dataset
+        the script batches itself): steps/s (``matex_steps_per_s``) instead.
       interval: seconds between rank 0's lines (default ``MATEX_MONITOR_INTERVAL``).
       stream: where rank 0 writes (default stderr, apart from Keras's progress bar).
     """
@@ -73,7 +76,7 @@ class MonitorCallback(keras.callbacks.Callback):
         super().__init__()
         from matex import _config
 
-        self.global_batch = int(global_batch)
+        self.global_batch = int(global_batch) if global_batch else None
         self.interval = _config.monitor_interval() if interval is None else float(interval)
         self.stream = stream
         self.step = 0
@@ -154,9 +157,11 @@ class MonitorCallback(keras.callbacks.Callback):
         self.latest = found
         if self.rank == 0 and found:
             stream = self.stream or sys.stderr
-            stream.write("matex monitor: step %d: %.0f samples/s; slowest rank %d "
+            rate = "%.0f samples/s" % found["matex_samples_per_s"] if self.global_batch else (
+                "%.1f steps/s" % found["matex_steps_per_s"])
+            stream.write("matex monitor: step %d: %s; slowest rank %d "
                          "(+%.1f ms/step); allreduce %.0f%% of step\n"
-                         % (self.step, found["matex_samples_per_s"],
+                         % (self.step, rate,
                             found["matex_slowest_rank"], found["matex_slowest_lag_ms"],
                             100 * found["matex_allreduce_share"]))
             stream.flush()

@@ -26,6 +26,7 @@ __all__ = ["start", "stop", "active", "TimelineError", "check_writable", "filena
 _writer = None
 _lock = threading.Lock()
 _autostarted = False
+_atexit = False
 
 
 def parse_steps(steps):
@@ -82,7 +83,10 @@ def start(directory, steps=None) -> None:
         writer.last_seq = core.flight_sequence()
         writer.start()
         _writer = writer
-    atexit.register(stop)
+        global _atexit
+        if not _atexit:
+            atexit.register(stop)
+            _atexit = True
 
 
 def stop() -> None:

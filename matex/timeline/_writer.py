@@ -2,7 +2,8 @@
 
 The C++ core already stamps every collective with its start, the moment all
 ranks had arrived (the agreement check completed) and its end; this thread
-reads the ring every ``POLL_S`` seconds, takes the collectives it has not
+reads the ring every ``MAX_WAIT_S`` seconds (sooner when a quarter of it is
+new), takes the collectives it has not
 written yet (by sequence number) and appends them to ``timeline-rank<N>.json``
 as Chrome-trace events, one JSON object per line: nothing is held in memory
 beyond one poll. The training thread only hands over step boundaries (four
@@ -31,7 +32,8 @@ import time
 from pathlib import Path
 
 FORMAT = "matex-timeline/1"
-POLL_S = 0.5
+POLL_S = 0.25      # how often the writer looks at the sequence number (one atomic read)
+MAX_WAIT_S = 2.0   # longest wait before what has finished is written
 COLLECTIVES_TID, STEPS_TID = 1, 2
 GRADIENT_KINDS = (1, 2)   # allreduce, fused allreduce
 
@@ -60,6 +62,7 @@ class Writer(threading.Thread):
         self.recent = {}        # seq -> (start, end, kind) of written collectives, for steps
         self.dropped = 0        # collectives the ring overwrote before this thread read them
         self.written = 0
+        self.cpu_s = 0.0        # CPU time this writer spent draining (its cost to training)
         self._halt = threading.Event()
         self._lock = threading.Lock()
 
@@ -102,8 +105,14 @@ class Writer(threading.Thread):
         self.file.flush()
 
     def run(self):
+        last = time.monotonic()
         while not self._halt.wait(POLL_S):
-            self.drain()
+            # Reading the ring copies all of it: read it when a quarter of it is new, or
+            # every MAX_WAIT_S, not at every wake-up.
+            new = self.core.flight_sequence() - self.last_seq
+            if new >= self.core.flight_capacity() // 4 or time.monotonic() - last >= MAX_WAIT_S:
+                self.drain()
+                last = time.monotonic()
 
     def stop(self) -> None:
         """Write what is left, close the JSON array and the file (idempotent)."""
@@ -116,7 +125,8 @@ class Writer(threading.Thread):
         self.file.write(json.dumps({"ph": "M", "pid": self.rank, "tid": 0,
                                     "name": "matex_timeline_end",
                                     "args": {"written": self.written,
-                                             "dropped": self.dropped}},
+                                             "dropped": self.dropped,
+                                             "writer_cpu_s": round(self.cpu_s, 6)}},
                                    separators=(",", ":")) + "\n]\n")
         self.file.close()
 
@@ -137,6 +147,13 @@ class Writer(threading.Thread):
         """Write the collectives finished since the last drain, then the steps they complete."""
         if self.file.closed:
             return
+        cpu = time.thread_time()
+        try:
+            self._drain(final)
+        finally:
+            self.cpu_s += time.thread_time() - cpu
+
+    def _drain(self, final: bool) -> None:
         with self._lock:
             windows, self.windows = self.windows, []
             opened = self.open_step
