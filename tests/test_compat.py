@@ -47,3 +47,18 @@ def test_installed_versions_are_the_tested_ones():
     version = tuple(int(p) for p in tf.__version__.split(".")[:2])
     low, high = _compat.TESTED_TENSORFLOW
     assert low <= version <= high, tf.__version__
+
+
+def test_keras_tuner_internals_exist_on_a_fresh_oracle(tmp_path):
+    import keras_tuner as kt
+
+    version = tuple(int(p) for p in kt.__version__.split(".")[:2])
+    low, high = _compat.TESTED_KERAS_TUNER
+    assert low <= version <= high, kt.__version__
+    space = kt.HyperParameters()
+    space.Float("x", 0.0, 1.0)
+    oracle = kt.oracles.RandomSearchOracle(objective=kt.Objective("score", "min"), max_trials=2,
+                                           hyperparameters=space, seed=0)
+    oracle._set_project_dir(str(tmp_path), "compat")
+    for name in _compat.ORACLE_ATTRIBUTES:
+        assert hasattr(oracle, name), name
