@@ -24,6 +24,18 @@ if _config.ft_requested():
 
 from matex._runtime import comm, init, local_rank, local_size, rank, size  # noqa: E402
 from matex import errors  # noqa: E402 - typed errors; imports neither MPI nor TF
+from matex import _runtime as _runtime_module  # noqa: E402
+
+
+def _start_observers(core):
+    # flight recorder, SIGUSR1 dumps and stall inspector; MATEX_TIMELINE (each once)
+    from matex import _stall, timeline
+
+    _stall.start(core)
+    timeline.autostart()
+
+
+_runtime_module.on_core_ready(_start_observers)
 
 __all__ = [
     "init", "rank", "size", "local_rank", "local_size", "comm",

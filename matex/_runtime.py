@@ -240,13 +240,26 @@ def _core():
     module = _native.core()
     if not loaded:
         module.set_communicator(MPI._handleof(_comm))
-    from matex import _stall
-
-    _stall.start(module)   # flight recorder, SIGUSR1 dumps, stall inspector (once)
-    from matex import timeline
-
-    timeline.autostart()   # MATEX_TIMELINE (once; nothing when unset)
+    while _core_hooks:
+        _core_hooks.pop(0)(module)
     return module
+
+
+_core_hooks = []   # run once each, with the core, at its first use through _core()
+
+
+def on_core_ready(hook):
+    """Run ``hook(core)`` when the core is first used (or now, if it already was).
+
+    Higher layers (the flight recorder's watchdog, the timeline) register here,
+    so that this module imports none of them.
+    """
+    from matex import _native
+
+    if _native._core is not None and _comm is not None:
+        hook(_native._core)
+    else:
+        _core_hooks.append(hook)
 
 
 @_run_as_is
