@@ -247,3 +247,38 @@ def mwms_strategy():
     ring = tf.distribute.experimental.CommunicationImplementation.RING
     options = tf.distribute.experimental.CommunicationOptions(implementation=ring)
     return tf.distribute.MultiWorkerMirroredStrategy(communication_options=options)
+
+
+def single_phase_main(script, description, worker, report, title, extra=None):
+    """``main`` of a driver with one 2-rank worker phase named "worker".
+
+    As a worker (``--worker``) runs ``worker(args)``; as the driver runs the
+    phase ``--repeats`` times, adds ``extra(args)`` (a dict) to the merged
+    results if given, prints the header (``title``: the benchmark's name) and
+    ``report(results)``, and writes ``--json``.
+    """
+    args = parse_args(description, ["worker"], repeats=1)
+    if args.worker:
+        return worker(args)
+    phases = {"worker": dict(nranks=2, args=["--quick"] if args.quick else [])}
+    results = run_phases(script, phases, args.repeats)
+    if extra is not None:
+        results.update(extra(args))
+    name = os.path.basename(script)
+    print(header(title, "python benchmarks/%s%s" % (name, " --quick" if args.quick else "")))
+    print(report(results))
+    write_json(args.json, results)
+
+
+def drain_function():
+    """A tf.function consuming a dataset of (x, y) batches; returns the samples seen."""
+    import tensorflow as tf
+
+    @tf.function
+    def drain(dataset):
+        seen = tf.constant(0, tf.int64)
+        for x, _ in dataset:
+            seen += tf.shape(x, out_type=tf.int64)[0]
+        return seen
+
+    return drain

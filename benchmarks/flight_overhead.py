@@ -77,16 +77,9 @@ def report(results):
 
 def main():
     """Driver (no ``--worker``) or the worker phase."""
-    args = _common.parse_args(__doc__.splitlines()[0], ["worker"], repeats=1)
-    if args.worker:
-        return worker(args)
-    phases = {"worker": dict(nranks=2, args=["--quick"] if args.quick else [])}
-    results = _common.run_phases(__file__, phases, args.repeats)
-    command = "python benchmarks/flight_overhead.py" + (" --quick" if args.quick else "")
-    print(_common.header("flight recorder overhead: %d variables of %d float32, 2 ranks"
-                         % (small_tensors.NUM_VARIABLES, small_tensors.VARIABLE_SIZE), command))
-    print(report(results))
-    _common.write_json(args.json, results)
+    _common.single_phase_main(__file__, __doc__.splitlines()[0], worker, report,
+                              "flight recorder overhead: %d variables of %d float32, 2 ranks"
+                              % (small_tensors.NUM_VARIABLES, small_tensors.VARIABLE_SIZE))
 
 
 if __name__ == "__main__":

@@ -62,19 +62,6 @@ def write_files(folder, quick):
 
 # ---- worker side ----------------------------------------------------------------
 
-def drain_function():
-    import tensorflow as tf
-
-    @tf.function
-    def drain(dataset):
-        seen = tf.constant(0, tf.int64)
-        for x, _ in dataset:
-            seen += tf.shape(x, out_type=tf.int64)[0]
-        return seen
-
-    return drain
-
-
 def fit_rate(keras, model, dataset, steps):
     """samples/s of one ``model.fit`` epoch over ``dataset``, its first execution excluded."""
     marks = []
@@ -108,7 +95,7 @@ def measure_width(path, rounds, quick):
     built_x = tf.constant(np.stack([x_all[rows] for rows in batches]))
     built_y = tf.constant(np.stack([y_all[rows] for rows in batches]))
     floor = tf.data.Dataset.from_tensor_slices((built_x, built_y))
-    drain = drain_function()
+    drain = _common.drain_function()
     model = keras.Sequential([keras.Input((width,)), keras.layers.Dense(1)])
     model.compile(keras.optimizers.SGD(1e-6), "mse", steps_per_execution=STEPS_PER_EXECUTION)
     samples = steps * BATCH

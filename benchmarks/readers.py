@@ -91,20 +91,6 @@ def write_files(folder, quick):
 
 # ---- worker side ----------------------------------------------------------------
 
-def drain_function():
-    """A tf.function consuming a dataset of (x, y) batches; returns the samples seen."""
-    import tensorflow as tf
-
-    @tf.function
-    def drain(dataset):
-        seen = tf.constant(0, tf.int64)
-        for x, _ in dataset:
-            seen += tf.shape(x, out_type=tf.int64)[0]
-        return seen
-
-    return drain
-
-
 def timed(fn):
     start = time.perf_counter()
     value = fn()
@@ -168,7 +154,7 @@ def worker_ranks(args):
 
     comm, rank = matex.comm(), matex.rank()
     _csv.native()       # the native CSV parser is compiled on first use: not while timed
-    drain = drain_function()
+    drain = _common.drain_function()
     budget_seconds = 1.0 if args.quick else 5.0
     comm.Barrier()
     result = {"cpu": {"loops": cpu_speed()}}
@@ -229,7 +215,7 @@ def worker_memory(args):
     from matex.readers import _csv
 
     _csv.native()
-    drain = drain_function()
+    drain = _common.drain_function()
     result = {}
     for kind, options in (("hdf5", dict(features="x", labels="y")),
                           ("chunked", dict(features="x", labels="y")),

@@ -91,17 +91,11 @@ def report(results):
 
 def main():
     """Driver (no ``--worker``) or the worker phase."""
-    args = _common.parse_args(__doc__.splitlines()[0], ["worker"], repeats=1)
-    if args.worker:
-        return worker(args)
-    phases = {"worker": dict(nranks=2, args=["--quick"] if args.quick else [])}
-    results = _common.run_phases(__file__, phases, args.repeats)
-    results["steps"] = training_step.settings(args.quick)[0]
-    command = "python benchmarks/timeline_overhead.py" + (" --quick" if args.quick else "")
-    print(_common.header("timeline overhead: fit of a small CNN, global batch %d, 2 ranks"
-                         % training_step.GLOBAL_BATCH, command))
-    print(report(results))
-    _common.write_json(args.json, results)
+    _common.single_phase_main(
+        __file__, __doc__.splitlines()[0], worker, report,
+        "timeline overhead: fit of a small CNN, global batch %d, 2 ranks"
+        % training_step.GLOBAL_BATCH,
+        extra=lambda args: {"steps": training_step.settings(args.quick)[0]})
 
 
 if __name__ == "__main__":

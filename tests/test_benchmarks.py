@@ -182,3 +182,24 @@ def test_hpo_workflow_driver(tmp_path):
     assert base["started"] == 16 and base["failed"] == base["redone"] == 0
     # one rank killed in a trial (1 rank per trial): that trial is lost once and run again
     assert hurt["started"] == 17 and hurt["failed"] == hurt["redone"] == 1
+
+
+def test_flight_overhead_driver(tmp_path):
+    stdout, results = run_driver("flight_overhead", tmp_path)
+    assert_finite_table(stdout)
+    assert_targets(stdout, 2)
+    ms = results["worker"]["ms_per_step"]
+    assert set(ms) == {"fused_off", "fused_on", "unfused_off", "unfused_on"}
+    assert all(math.isfinite(v) and v > 0 for v in ms.values())
+
+
+def test_timeline_overhead_driver(tmp_path):
+    stdout, results = run_driver("timeline_overhead", tmp_path)
+    assert_finite_table(stdout)
+    assert_targets(stdout, 1)
+    worker = results["worker"]
+    assert set(worker["ms_per_step"]) == {"off", "on"}
+    assert all(math.isfinite(v) and v > 0 for v in worker["ms_per_step"].values())
+    # every recorded step's collectives and phases reached the file
+    assert worker["events_per_file"] >= results["steps"]
+    assert 0 < worker["writer_cpu_ms_per_step"] < min(worker["ms_per_step"].values())
