@@ -271,10 +271,10 @@ def test_mixed_precision_reduces_gradients_once_per_step(monkeypatch, wrapped_by
     reductions = []
     original = _fusion.allreduce_gradients
 
-    def counting(grads, op="average", threshold=None):
+    def counting(grads, op="average", threshold=None, names=None):
         if threshold != metrics_threshold:
             reductions.append(len(grads))
-        return original(grads, op, threshold)
+        return original(grads, op, threshold, names)
 
     monkeypatch.setattr(_fusion, "allreduce_gradients", counting)
     keras.mixed_precision.set_global_policy("mixed_float16")
