@@ -112,17 +112,10 @@ def hide_gpus(args):
 
 
 def data(tf, part, parts, batch):
-    """Part ``part`` of ``parts`` of the synthetic images, batches of ``batch``, repeated."""
-    import numpy as np
+    """``training_step.py``'s synthetic images, enough for ``parts`` ranks of ``batch``."""
+    import training_step as ts
 
-    samples = max(4096, 2 * batch * parts)
-    rng = np.random.default_rng(0)
-    x = rng.standard_normal((samples, 28, 28, 1), dtype=np.float32)
-    y = rng.integers(0, 10, samples).astype(np.int32)
-    share = samples // parts
-    lo = part * share
-    dataset = tf.data.Dataset.from_tensor_slices((x[lo:lo + share], y[lo:lo + share]))
-    return dataset.batch(batch, drop_remainder=True).cache().repeat().prefetch(2)
+    return ts.dataset(tf, part, parts, batch, samples=max(ts.SAMPLES, 2 * batch * parts))
 
 
 def _placement(comm):

@@ -57,14 +57,14 @@ def compile_model(keras, model, optimizer, jit_compile):
                   loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
 
 
-def dataset(tf, part, parts, batch):
-    """Part ``part`` of ``parts`` of the synthetic data, batched and repeated forever."""
+def dataset(tf, part, parts, batch, samples=SAMPLES):
+    """Part ``part`` of ``parts`` of ``samples`` synthetic images, batched and repeated forever."""
     import numpy as np
 
     rng = np.random.default_rng(0)
-    x = rng.standard_normal((SAMPLES, 28, 28, 1), dtype=np.float32)
-    y = rng.integers(0, 10, SAMPLES).astype(np.int32)
-    share = SAMPLES // parts
+    x = rng.standard_normal((samples, 28, 28, 1), dtype=np.float32)
+    y = rng.integers(0, 10, samples).astype(np.int32)
+    share = samples // parts
     lo = part * share
     data = tf.data.Dataset.from_tensor_slices((x[lo:lo + share], y[lo:lo + share]))
     return data.batch(batch, drop_remainder=True).cache().repeat().prefetch(2)
