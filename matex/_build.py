@@ -379,7 +379,7 @@ def core_dir():
         _say("building the MPI core against %s (one time)..." % libmpi)
         abi = "-D_GLIBCXX_USE_CXX11_ABI=1"
         _run([cxx, "-std=c++17", abi] + _OPT + _MPI_DEFINES + [
-            "-I" + mpi_inc, str(src / "core" / "collectives.cc"), str(src / "core" / "progress.cc"),
+            "-I" + mpi_inc] + [str(p) for p in sorted((src / "core").glob("*.cc"))] + [
             "-o", str(tmp / "libmatex_core.so"), "-Wl,-soname,libmatex_core.so",
             libmpi, "-Wl,-rpath," + os.path.dirname(libmpi)])
         _run([cxx, "-std=c++17", abi, "-fvisibility=hidden"] + _OPT + [
@@ -413,7 +413,7 @@ def tf_ops_dir():
         started = time.time()
         _say("building the TensorFlow %s ops (one time, ~20 s)..." % tf.__version__)
         _run([cxx] + _OPT + cflags + ["-I" + str(src / "core"),
-              str(src / "kernels" / "ops.cc"), str(src / "kernels" / "kernels.cc"),
+              ] + [str(p) for p in sorted((src / "kernels").glob("*.cc"))] + [
               "-o", str(tmp / "matex_tf_ops.so"),
               "-L" + str(core), "-lmatex_core", "-Wl,-rpath," + str(core)] + lflags)
         _say("ops built in %.1f s" % (time.time() - started))

@@ -76,7 +76,7 @@ def _check_op(op):
 
 
 @_run_as_is
-def allreduce(tensor, op="average", name=None):
+def allreduce(tensor, op="average", name=None, comm=0):
     """Reduce ``tensor`` over all ranks; every rank gets the result.
 
     Args:
@@ -84,6 +84,8 @@ def allreduce(tensor, op="average", name=None):
         of the same shape on every rank.
       op: "sum", "average" (the sum divided by the number of ranks at the time
         the op runs; integers truncate), "min" or "max".
+      comm: the communicator slot (``matex._runtime.register_comm``); 0, the
+        default, is the data communicator ``matex.comm()``.
     Returns:
       A tensor of the same shape and dtype.
     Raises:
@@ -93,78 +95,82 @@ def allreduce(tensor, op="average", name=None):
     """
     _check_op(op)
     tensor = _as_tensor(tensor, "allreduce")
-    return _issue(_ops().matex_allreduce, tensor, reduce_op=op, name=name)
+    return _issue(_ops().matex_allreduce, tensor, reduce_op=op, comm=int(comm), name=name)
 
 
 @_run_as_is
-def grouped_allreduce(tensors, op="average", name=None):
+def grouped_allreduce(tensors, op="average", name=None, comm=0):
     """Reduce several tensors of one dtype with one fused MPI call."""
     _check_op(op)
     tensors = [_as_tensor(t, "grouped_allreduce") for t in tensors]
-    return _issue(_ops().matex_grouped_allreduce, tensors, reduce_op=op, name=name)
+    return _issue(_ops().matex_grouped_allreduce, tensors, reduce_op=op, comm=int(comm),
+                  name=name)
 
 
 @_run_as_is
-def broadcast(tensor, root=0, name=None):
+def broadcast(tensor, root=0, name=None, comm=0):
     """Return rank ``root``'s ``tensor`` on every rank (same shape on all ranks)."""
     tensor = _as_tensor(tensor, "broadcast")
-    return _issue(_ops().matex_broadcast, tensor, root=int(root), name=name)
+    return _issue(_ops().matex_broadcast, tensor, root=int(root), comm=int(comm), name=name)
 
 
 @_run_as_is
-def allgather(tensor, name=None):
+def allgather(tensor, name=None, comm=0):
     """Concatenate every rank's ``tensor`` along axis 0, in rank order.
 
     First dimensions may differ between ranks; the other dimensions must agree.
     """
     tensor = _as_tensor(tensor, "allgather")
-    return _issue(_ops().matex_allgather, tensor, name=name)
+    return _issue(_ops().matex_allgather, tensor, comm=int(comm), name=name)
 
 
 @_run_as_is
-def comm_info():
-    """(rank, size) of the current communicator, read when the op runs."""
-    return _ops().matex_comm_info()
+def comm_info(comm=0):
+    """(rank, size) in communicator slot ``comm``, read when the op runs."""
+    return _ops().matex_comm_info(comm=int(comm))
 
 
 @_run_as_is
-def broadcast_variables(variables, root=0):
+def broadcast_variables(variables, root=0, comm=0):
     """Assign rank ``root``'s value to each variable, on every rank."""
     for v in variables:
-        v.assign(broadcast(v, root))
+        v.assign(broadcast(v, root, comm=comm))
 
 
 # ---- gradients --------------------------------------------------------------
 
-def _extreme_grad(x, y, grad):
+def _extreme_grad(x, y, grad, comm):
     # The result came from the ranks holding the extreme: they get the
     # gradient summed over all ranks (a subgradient when several tie).
-    summed = _ops().matex_allreduce(grad, reduce_op="sum")
+    summed = _ops().matex_allreduce(grad, reduce_op="sum", comm=comm)
     return tf.where(tf.equal(x, y), summed, tf.zeros_like(summed))
 
 
 @tf.RegisterGradient("MatexAllreduce")
 def _allreduce_grad(op, grad):
     kind = op.get_attr("reduce_op").decode()
+    comm = op.get_attr("comm")
     if kind in ("sum", "average"):
-        return _ops().matex_allreduce(grad, reduce_op=kind)
-    return _extreme_grad(op.inputs[0], op.outputs[0], grad)
+        return _ops().matex_allreduce(grad, reduce_op=kind, comm=comm)
+    return _extreme_grad(op.inputs[0], op.outputs[0], grad, comm)
 
 
 @tf.RegisterGradient("MatexGroupedAllreduce")
 def _grouped_allreduce_grad(op, *grads):
     kind = op.get_attr("reduce_op").decode()
+    comm = op.get_attr("comm")
     grads = [tf.zeros_like(x) if g is None else g for x, g in zip(op.inputs, grads)]
     if kind in ("sum", "average"):
-        return _ops().matex_grouped_allreduce(grads, reduce_op=kind)
-    return [_extreme_grad(x, y, g) for x, y, g in zip(op.inputs, op.outputs, grads)]
+        return _ops().matex_grouped_allreduce(grads, reduce_op=kind, comm=comm)
+    return [_extreme_grad(x, y, g, comm) for x, y, g in zip(op.inputs, op.outputs, grads)]
 
 
 @tf.RegisterGradient("MatexBroadcast")
 def _broadcast_grad(op, grad):
     # Only the root's input reaches the output: it gets every rank's gradient.
-    summed = _ops().matex_allreduce(grad, reduce_op="sum")
-    rank, _ = _ops().matex_comm_info()
+    comm = op.get_attr("comm")
+    summed = _ops().matex_allreduce(grad, reduce_op="sum", comm=comm)
+    rank, _ = _ops().matex_comm_info(comm=comm)
     return tf.where(tf.equal(rank, op.get_attr("root")), summed, tf.zeros_like(summed))
 
 
@@ -172,10 +178,11 @@ def _broadcast_grad(op, grad):
 def _allgather_grad(op, grad):
     # Each rank's rows of the summed output gradient go back to that rank.
     x = op.inputs[0]
-    sizes = _ops().matex_allgather(tf.shape(x, out_type=tf.int64)[:1])
-    rank, _ = _ops().matex_comm_info()
+    comm = op.get_attr("comm")
+    sizes = _ops().matex_allgather(tf.shape(x, out_type=tf.int64)[:1], comm=comm)
+    rank, _ = _ops().matex_comm_info(comm=comm)
     offset = tf.reduce_sum(sizes[:rank])
-    summed = _ops().matex_allreduce(grad, reduce_op="sum")
+    summed = _ops().matex_allreduce(grad, reduce_op="sum", comm=comm)
     return summed[offset:offset + sizes[rank]]
 
 

@@ -240,9 +240,80 @@ def _core():
     module = _native.core()
     if not loaded:
         module.set_communicator(MPI._handleof(_comm))
+        with _lock:
+            for slot, sub in _slots.items():
+                module.set_communicator_slot(slot, MPI._handleof(sub))
     while _core_hooks:
         _core_hooks.pop(0)(module)
     return module
+
+
+# ---- sub-communicators in numbered slots -------------------------------------
+#
+# An op names its communicator by slot (its ``comm`` argument): slot 0 is
+# ``comm()``; a grid's pipeline and tensor-parallel groups get slots of their
+# own. The slot number is what a traced function captures, never a handle, so
+# replacing a slot's communicator (after a failure) needs no retrace.
+
+_slots = {}   # slot (>= 1) -> mpi4py communicator
+_MAX_SLOTS = 64   # kMaxCommSlots in tf_ops/core/matex_core.h
+
+
+def _publish_slot(slot, sub):
+    from mpi4py import MPI
+
+    from matex import _native
+
+    if _native._core is not None:
+        _native._core.set_communicator_slot(slot, 0 if sub is None else MPI._handleof(sub))
+
+
+def register_comm(sub):
+    """Give the mpi4py communicator ``sub`` a slot that ops can name; return the slot.
+
+    The communicator stays the caller's (MaTEx never frees it); release the
+    slot with ``release_comm`` before freeing it.
+    """
+    from mpi4py import MPI
+
+    init()
+    sub.Set_errhandler(MPI.ERRORS_RETURN)
+    with _lock:
+        free = [s for s in range(1, _MAX_SLOTS) if s not in _slots]
+        if not free:
+            raise RuntimeError("all %d communicator slots are in use; release_comm() "
+                               "the sub-communicators no longer needed" % (_MAX_SLOTS - 1))
+        slot = free[0]
+        _slots[slot] = sub
+        _publish_slot(slot, sub)
+    return slot
+
+
+def replace_comm(slot, sub):
+    """Point ``slot`` at ``sub`` (e.g. a shrunk communicator); later ops use it."""
+    with _lock:
+        if slot not in _slots:
+            raise KeyError("communicator slot %d is not registered" % slot)
+        _slots[slot] = sub
+        _publish_slot(slot, sub)
+
+
+def release_comm(slot):
+    """Forget ``slot``: an op naming it later fails with a clear error."""
+    with _lock:
+        if _slots.pop(slot, None) is not None:
+            _publish_slot(slot, None)
+
+
+def slot_comm(slot):
+    """The mpi4py communicator in ``slot`` (0: ``comm()``)."""
+    if slot == 0:
+        return comm()
+    with _lock:
+        try:
+            return _slots[slot]
+        except KeyError:
+            raise KeyError("communicator slot %d is not registered" % slot) from None
 
 
 _core_hooks = []   # run once each, with the core, at its first use through _core()

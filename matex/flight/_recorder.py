@@ -18,7 +18,9 @@ from pathlib import Path
 from matex import _config
 
 FORMAT = "matex-flight/1"
-KINDS = {1: "allreduce", 2: "fused allreduce", 3: "broadcast", 4: "allgather"}
+KINDS = {1: "allreduce", 2: "fused allreduce", 3: "broadcast", 4: "allgather",
+         5: "send", 6: "receive", 7: "send-receive", 8: "sparse allreduce",
+         9: "non-blocking allreduce"}   # internal::Kind in tf_ops/core/internal.h
 REDUCE_OPS = ("sum", "average", "min", "max")
 STATES = ("pending", "ok", "mismatch", "MPI error", "invalid")
 

@@ -360,3 +360,47 @@ def test_size_and_rank_ops_follow_the_communicator():
     assert (int(rank), int(size)) == (R, N)
     assert matex.local_size() >= 1 and 0 <= matex.local_rank() < matex.local_size()
     assert _native.core() is _runtime._core()
+
+
+# ---- communicator slots -------------------------------------------------------
+
+def test_slot_collectives_run_on_their_sub_communicator_beside_the_data_one():
+    """An op naming a slot reduces over that sub-communicator only, in one traced
+    function together with a slot-0 allreduce; replacing the slot needs no retrace."""
+    world = matex.comm()
+    sub = world.Split(R % 2, R)
+    slot = _runtime.register_comm(sub)
+    try:
+        members = [r for r in range(N) if r % 2 == R % 2]
+
+        @tf.function
+        def both(x):
+            return (_collectives.allreduce(x, "sum", comm=slot),
+                    _collectives.allreduce(x, "sum"),
+                    _collectives.allgather(tf.reshape(x, [1]), comm=slot),
+                    _collectives.comm_info(comm=slot))
+
+        x = tf.constant(float(R + 1))
+        part, whole, gathered, (srank, ssize) = both(x)
+        assert float(part) == sum(r + 1 for r in members)
+        assert float(whole) == N * (N + 1) / 2
+        np.testing.assert_array_equal(gathered.numpy(), [r + 1.0 for r in members])
+        assert (int(srank), int(ssize)) == (sub.Get_rank(), sub.Get_size())
+        np.testing.assert_array_equal(
+            _collectives.broadcast(tf.constant([float(R)]), root=0, comm=slot).numpy(),
+            [float(members[0])])
+        # gradients run on the op's own communicator
+        v = tf.Variable(float(R + 1))
+        with tf.GradientTape() as tape:
+            y = _collectives.allreduce(v * v, "sum", comm=slot)
+        assert float(tape.gradient(y, v)) == 2 * (R + 1) * len(members)
+        # the slot now names the whole world: the traced function follows, untraced again
+        _runtime.replace_comm(slot, world)
+        part, _, _, (_, ssize) = both(x)
+        assert float(part) == N * (N + 1) / 2 and int(ssize) == N
+        assert both.experimental_get_tracing_count() == 1
+    finally:
+        _runtime.release_comm(slot)
+        sub.Free()
+    with pytest.raises(tf.errors.InternalError, match="no communicator in slot %d" % slot):
+        _collectives.allreduce(tf.constant(1.0), comm=slot)

@@ -13,16 +13,18 @@
 #include <type_traits>
 
 #include "half.h"
-#include "matex_core.h"
+#include "internal.h"
 
 namespace matex {
-namespace {
+namespace internal {
 
-std::mutex g_comm_mutex;              // guards g_comm
-std::intptr_t g_comm = 0;
-std::mutex g_collective_mutex;        // one collective at a time per process
+std::mutex g_comm_mutex;              // guards g_comms
+std::intptr_t g_comms[kMaxCommSlots] = {0};
+std::mutex g_collective_mutexes[kMaxCommSlots];   // one collective at a time per communicator
 std::atomic<bool> g_check{true};
 std::atomic<int64_t> g_calls{0};
+
+std::mutex& CollectiveMutex(int slot) { return g_collective_mutexes[slot]; }
 
 // MPI_Comm is a pointer in Open MPI and an int in MPICH; mpi4py hands either
 // over as an integer.
@@ -49,29 +51,23 @@ Status MpiFailure(int rc, const char* what) {
   return Status::Mpi(cls, msg.str());
 }
 
-#define MATEX_MPI(call, what)                             \
-  do {                                                    \
-    int rc_ = (call);                                     \
-    if (rc_ != MPI_SUCCESS) return MpiFailure(rc_, what); \
-  } while (0)
+void CountCall() { g_calls.fetch_add(1, std::memory_order_relaxed); }
 
-// A collective call: counted, for tests and benchmarks.
-#define MATEX_COLL(call, what)                          \
-  do {                                                  \
-    g_calls.fetch_add(1, std::memory_order_relaxed);    \
-    MATEX_MPI(call, what);                              \
-  } while (0)
-
-// The communicator for one collective, read once under the lock.
-Status CurrentComm(MPI_Comm* comm) {
+Status CurrentComm(MPI_Comm* comm, int slot) {
+  if (slot < 0 || slot >= kMaxCommSlots) {
+    return Status::Invalid("communicator slot " + std::to_string(slot) +
+                           " is out of range [0, " + std::to_string(kMaxCommSlots) + ")");
+  }
   std::intptr_t handle;
   {
     std::lock_guard<std::mutex> lock(g_comm_mutex);
-    handle = g_comm;
+    handle = g_comms[slot];
   }
   if (handle == 0) {
     return Status::Invalid(
-        "no communicator set: call matex.init() before using the ops");
+        slot == 0 ? std::string("no communicator set: call matex.init() before using the ops")
+                  : "no communicator in slot " + std::to_string(slot) +
+                        " (a sub-communicator that was freed or never registered)");
   }
   *comm = ToComm(handle);
   return Status::Ok();
@@ -184,10 +180,6 @@ Status AllreduceInto(MPI_Comm comm, const void* in, void* data, int64_t count,
 
 // ---- cross-rank agreement --------------------------------------------------
 
-enum class Kind : int64_t { kAllreduce = 1, kFused = 2, kBroadcast = 3, kAllgather = 4 };
-
-using Shapes = std::vector<const std::vector<int64_t>*>;
-
 // FNV-1a hash of what a collective is about to do; equal on every rank that
 // runs the same collective on tensors of the same dtype and shape.
 uint64_t SignatureHash(Kind kind, DataType dtype, int64_t param, const Shapes& shapes) {
@@ -230,6 +222,12 @@ std::string SignatureText(Kind kind, DataType dtype, int64_t param, const Shapes
     case Kind::kFused: t << "fused allreduce(" << ReduceOpName(ReduceOp(param)) << ") of "; break;
     case Kind::kBroadcast: t << "broadcast(root=" << param << ") of "; break;
     case Kind::kAllgather: t << "allgather of "; break;
+    case Kind::kSend: t << "send to " << param << " of "; break;
+    case Kind::kRecv: t << "receive from " << param << " of "; break;
+    case Kind::kSendRecv: t << "send-receive with " << param << " of "; break;
+    case Kind::kSparseAllreduce: t << "sparse allreduce of "; break;
+    case Kind::kIallreduce: t << "non-blocking allreduce(" << ReduceOpName(ReduceOp(param)) << ") of "; break;
+    default: t << "collective kind " << int64_t(kind) << " of "; break;
   }
   if (shapes.size() == 1) {
     t << ShapeText(dtype, *shapes[0], kind == Kind::kAllgather);
@@ -260,157 +258,9 @@ double Now() {
              std::chrono::system_clock::now().time_since_epoch()).count();
 }
 
-// One collective's entry: opened at its start, stamped when all ranks agreed,
-// closed with its outcome. Holds the ring's lock only to copy in or update.
-class FlightRecord {
- public:
-  FlightRecord(MPI_Comm comm, Kind kind, DataType dtype, int64_t param, const Shapes& shapes,
-               uint64_t signature) {
-    seq_ = g_seq.fetch_add(1, std::memory_order_relaxed) + 1;
-    const double now = Now();
-    g_pending_since.store(now, std::memory_order_relaxed);
-    if (g_flight_capacity.load(std::memory_order_relaxed) == 0) return;
-    FlightEntry e;
-    e.seq = seq_;
-    e.kind = int(kind);
-    e.dtype = int(dtype);
-    e.param = param;
-    MPI_Comm_rank(comm, &e.comm_rank);
-    MPI_Comm_size(comm, &e.comm_size);
-    e.num_tensors = int(shapes.size());
-    int64_t elements = 0;
-    for (const auto* shape : shapes) {
-      int64_t n = 1;
-      for (int64_t d : *shape) n *= d;
-      elements += n;
-    }
-    e.bytes = elements * int64_t(DataTypeSize(dtype));
-    if (!shapes.empty()) {
-      e.ndims = int(std::min<size_t>(shapes[0]->size(), 8));
-      for (int i = 0; i < e.ndims; ++i) e.dims[i] = (*shapes[0])[i];
-    }
-    e.signature = signature;
-    e.start = now;
-    if (t_site) std::strncpy(e.site, t_site, sizeof(e.site) - 1);
-    std::lock_guard<std::mutex> lock(g_flight_mutex);
-    if (g_ring.empty()) return;   // switched off meanwhile
-    g_ring[size_t((seq_ - 1) % int64_t(g_ring.size()))] = e;
-    recording_ = true;
-  }
+}  // namespace internal
 
-  void Agreed() {
-    if (recording_) Update([](FlightEntry& e) { e.agreed = Now(); });
-  }
-
-  Status Done(Status s) {
-    g_pending_since.store(0.0, std::memory_order_relaxed);
-    if (!recording_) return s;
-    int state = int(FlightState::kOk);
-    if (s.kind == Status::Kind::kMismatch) state = int(FlightState::kMismatch);
-    if (s.kind == Status::Kind::kMpiError) state = int(FlightState::kMpiError);
-    if (s.kind == Status::Kind::kInvalid) state = int(FlightState::kInvalid);
-    const int cls = s.mpi_error_class;
-    Update([&](FlightEntry& e) {
-      e.end = Now();
-      if (e.agreed == 0 && state == int(FlightState::kOk)) e.agreed = e.end;
-      e.state = state;
-      e.mpi_error_class = cls;
-    });
-    return s;
-  }
-
- private:
-  template <typename F>
-  void Update(F f) {
-    std::lock_guard<std::mutex> lock(g_flight_mutex);
-    if (g_ring.empty()) return;
-    FlightEntry& e = g_ring[size_t((seq_ - 1) % int64_t(g_ring.size()))];
-    if (e.seq == seq_) f(e);
-  }
-
-  int64_t seq_ = 0;
-  bool recording_ = false;
-};
-
-// The agreement check: one tiny allreduce by which every rank learns whether
-// all ranks are about to run the same collective on tensors of the same dtype
-// and shape. It is non-blocking so that a collective with work to do before
-// its MPI call (the fused allreduce's packing) overlaps the two: the ranks'
-// meeting in the check then costs no more than the packing it hides behind.
-// On disagreement all ranks gather each other's descriptions and fail with the
-// same message, before any rank issues the data collective.
-class Agreement {
- public:
-  Agreement(MPI_Comm comm, Kind kind, DataType dtype, int64_t param, Shapes shapes)
-      : comm_(comm), kind_(kind), dtype_(dtype), param_(param), shapes_(std::move(shapes)),
-        hash_(g_check.load(std::memory_order_relaxed) ||
-                      g_flight_capacity.load(std::memory_order_relaxed) > 0
-                  ? SignatureHash(kind_, dtype_, param_, shapes_)
-                  : 0),
-        flight_(comm_, kind_, dtype_, param_, shapes_, hash_) {}
-  Agreement(const Agreement&) = delete;
-  Agreement& operator=(const Agreement&) = delete;
-  ~Agreement() {   // a started check is always completed, even on an early return
-    if (request_ != MPI_REQUEST_NULL) MPI_Wait(&request_, MPI_STATUS_IGNORE);
-  }
-
-  Status Start() {
-    if (!g_check.load(std::memory_order_relaxed)) return Status::Ok();
-    // non-negative, so -h cannot overflow
-    const int64_t h = int64_t(hash_ >> 2);
-    v_[0] = h;
-    v_[1] = -h;
-    MATEX_COLL(MPI_Iallreduce(MPI_IN_PLACE, v_, 2, MPI_INT64_T, MPI_MAX, comm_, &request_),
-               "MPI_Iallreduce (agreement check)");
-    return Status::Ok();
-  }
-
-  Status Finish() {
-    if (request_ == MPI_REQUEST_NULL) return Status::Ok();   // check off
-    MATEX_MPI(MPI_Wait(&request_, MPI_STATUS_IGNORE), "MPI_Wait (agreement check)");
-    flight_.Agreed();
-    if (v_[0] == -v_[1]) return Status::Ok();
-    const int kLen = 160;
-    int size = 0;
-    MATEX_MPI(MPI_Comm_size(comm_, &size), "MPI_Comm_size");
-    std::vector<char> mine(kLen, 0), all(size_t(kLen) * size, 0);
-    std::strncpy(mine.data(), SignatureText(kind_, dtype_, param_, shapes_).c_str(), kLen - 1);
-    MATEX_COLL(MPI_Allgather(mine.data(), kLen, MPI_CHAR, all.data(), kLen,
-                            MPI_CHAR, comm_),
-              "MPI_Allgather (agreement report)");
-    std::ostringstream msg;
-    msg << "ranks disagree on the collective to run (a different op, dtype or "
-           "shape on some rank, or collectives issued in a different order): ";
-    for (int r = 0; r < size; ++r) {
-      msg << (r ? "; " : "") << "rank " << r << ": "
-          << std::string(all.data() + size_t(r) * kLen);
-    }
-    return Status::Mismatch(msg.str());
-  }
-
-  // The check with nothing to overlap: start and finish at once.
-  Status Agree() {
-    Status s = Start();
-    if (!s.ok()) return s;
-    return Finish();
-  }
-
-  // Close the flight entry with the collective's outcome; returns `s`.
-  Status Done(Status s) { return flight_.Done(std::move(s)); }
-
- private:
-  MPI_Comm comm_;
-  Kind kind_;
-  DataType dtype_;
-  int64_t param_;
-  Shapes shapes_;
-  uint64_t hash_;
-  FlightRecord flight_;
-  int64_t v_[2] = {0, 0};
-  MPI_Request request_ = MPI_REQUEST_NULL;
-};
-
-}  // namespace
+using namespace internal;
 
 // ---- public API ------------------------------------------------------------
 
@@ -454,14 +304,19 @@ int64_t TensorRef::num_elements() const {
   return n;
 }
 
-void SetCommunicator(std::intptr_t handle) {
+void SetCommunicator(std::intptr_t handle) { SetCommunicatorSlot(0, handle); }
+std::intptr_t GetCommunicator() { return GetCommunicatorSlot(0); }
+
+void SetCommunicatorSlot(int slot, std::intptr_t handle) {
+  if (slot < 0 || slot >= kMaxCommSlots) return;
   std::lock_guard<std::mutex> lock(g_comm_mutex);
-  g_comm = handle;
+  g_comms[slot] = handle;
 }
 
-std::intptr_t GetCommunicator() {
+std::intptr_t GetCommunicatorSlot(int slot) {
+  if (slot < 0 || slot >= kMaxCommSlots) return 0;
   std::lock_guard<std::mutex> lock(g_comm_mutex);
-  return g_comm;
+  return g_comms[slot];
 }
 
 void SetAgreementCheck(bool enabled) { g_check.store(enabled); }
@@ -511,9 +366,9 @@ bool InstallFlightSignal(int signum) {
 
 bool TakeFlightSignal() { return g_flight_signal.exchange(0) != 0; }
 
-Status CommInfo(int* rank, int* size) {
+Status CommInfo(int* rank, int* size, int slot) {
   MPI_Comm comm;
-  Status s = CurrentComm(&comm);
+  Status s = CurrentComm(&comm, slot);
   if (!s.ok()) return s;
   int rc = MPI_Comm_rank(comm, rank);
   if (rc != MPI_SUCCESS) return MpiFailure(rc, "MPI_Comm_rank");
@@ -522,10 +377,11 @@ Status CommInfo(int* rank, int* size) {
   return Status::Ok();
 }
 
-Status Allreduce(const TensorRef& in, void* out, DataType dtype, ReduceOp op) {
-  std::lock_guard<std::mutex> serial(g_collective_mutex);
+Status Allreduce(const TensorRef& in, void* out, DataType dtype, ReduceOp op, int slot) {
   MPI_Comm comm;
-  Status s = CurrentComm(&comm);
+  Status s = CurrentComm(&comm, slot);
+  if (!s.ok()) return s;
+  std::lock_guard<std::mutex> serial(CollectiveMutex(slot));
   if (!s.ok()) return s;
   Agreement check(comm, Kind::kAllreduce, dtype, int64_t(op), {&in.shape});
   return check.Done([&] {
@@ -539,13 +395,14 @@ Status Allreduce(const TensorRef& in, void* out, DataType dtype, ReduceOp op) {
 
 Status FusedAllreduce(const std::vector<TensorRef>& ins,
                       const std::vector<void*>& outs, DataType dtype,
-                      ReduceOp op, void* scratch) {
+                      ReduceOp op, void* scratch, int slot) {
   if (ins.size() != outs.size()) {
     return Status::Invalid("fused allreduce: inputs and outputs differ in number");
   }
-  std::lock_guard<std::mutex> serial(g_collective_mutex);
   MPI_Comm comm;
-  Status s = CurrentComm(&comm);
+  Status s = CurrentComm(&comm, slot);
+  if (!s.ok()) return s;
+  std::lock_guard<std::mutex> serial(CollectiveMutex(slot));
   if (!s.ok()) return s;
   Shapes shapes;
   for (const auto& t : ins) shapes.push_back(&t.shape);
@@ -578,10 +435,11 @@ Status FusedAllreduce(const std::vector<TensorRef>& ins,
 }
 
 Status Broadcast(void* data, const std::vector<int64_t>& shape, DataType dtype,
-                 int root) {
-  std::lock_guard<std::mutex> serial(g_collective_mutex);
+                 int root, int slot) {
   MPI_Comm comm;
-  Status s = CurrentComm(&comm);
+  Status s = CurrentComm(&comm, slot);
+  if (!s.ok()) return s;
+  std::lock_guard<std::mutex> serial(CollectiveMutex(slot));
   if (!s.ok()) return s;
   int size = 0;
   MATEX_MPI(MPI_Comm_size(comm, &size), "MPI_Comm_size");
@@ -610,13 +468,14 @@ Status Broadcast(void* data, const std::vector<int64_t>& shape, DataType dtype,
 
 Status Allgather(const TensorRef& in, DataType dtype,
                  const std::function<void*(int64_t total_rows)>& allocate,
-                 std::vector<int64_t>* first_dims) {
+                 std::vector<int64_t>* first_dims, int slot) {
   if (in.shape.empty()) {
     return Status::Invalid("allgather needs a tensor of rank >= 1 (got a scalar)");
   }
-  std::lock_guard<std::mutex> serial(g_collective_mutex);
   MPI_Comm comm;
-  Status s = CurrentComm(&comm);
+  Status s = CurrentComm(&comm, slot);
+  if (!s.ok()) return s;
+  std::lock_guard<std::mutex> serial(CollectiveMutex(slot));
   if (!s.ok()) return s;
   Agreement check(comm, Kind::kAllgather, dtype, 0, {&in.shape});
   return check.Done([&] {
@@ -648,7 +507,7 @@ Status Allgather(const TensorRef& in, DataType dtype,
   MPI_Datatype row;
   MATEX_MPI(MPI_Type_contiguous(int(row_bytes), MPI_BYTE, &row), "MPI_Type_contiguous");
   MATEX_MPI(MPI_Type_commit(&row), "MPI_Type_commit");
-  g_calls.fetch_add(1, std::memory_order_relaxed);
+  CountCall();
   int rc = MPI_Allgatherv(in.data, int(in.shape[0]), row, out, counts.data(),
                           displs.data(), row, comm);
   MPI_Type_free(&row);

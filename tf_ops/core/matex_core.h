@@ -55,11 +55,18 @@ size_t DataTypeSize(DataType dtype);
 const char* DataTypeName(DataType dtype);
 const char* ReduceOpName(ReduceOp op);
 
-// The communicator every collective uses. Replaceable at any time (the
-// resilience layer swaps in a shrunk communicator); each collective reads it
-// once at its start. 0 means "not set".
-void SetCommunicator(std::intptr_t handle);
+// The communicators operations use, in numbered slots. Slot 0 is the data
+// communicator every collective uses by default; other slots hold
+// sub-communicators (a pipeline or tensor-parallel group of a grid), chosen
+// per operation by its `slot` argument (the ops' `comm` attribute). A slot is
+// replaceable at any time (the resilience layer swaps in a shrunk
+// communicator); each operation reads it once at its start, so nothing holds
+// a stale communicator. 0 means "not set".
+constexpr int kMaxCommSlots = 64;
+void SetCommunicator(std::intptr_t handle);   // slot 0
 std::intptr_t GetCommunicator();
+void SetCommunicatorSlot(int slot, std::intptr_t handle);
+std::intptr_t GetCommunicatorSlot(int slot);
 
 // Whether to run the cross-rank agreement check (shape/dtype/op) before each
 // collective. On by default; turning it off saves one tiny allreduce per
@@ -68,7 +75,7 @@ void SetAgreementCheck(bool enabled);
 bool AgreementCheck();
 
 // Rank and size in the current communicator.
-Status CommInfo(int* rank, int* size);
+Status CommInfo(int* rank, int* size, int slot = 0);
 
 // A tensor as the core sees it: contiguous bytes with a shape.
 struct TensorRef {
@@ -80,19 +87,20 @@ struct TensorRef {
 // out[i] = reduce over ranks of in[i]; `in` and `out` may be the same buffer
 // (in place); otherwise MPI reads `in` and writes `out` directly (no copy).
 // kAverage divides the sum by the communicator size at the time of the call.
-Status Allreduce(const TensorRef& in, void* out, DataType dtype, ReduceOp op);
+Status Allreduce(const TensorRef& in, void* out, DataType dtype, ReduceOp op,
+                 int slot = 0);
 
 // Fused allreduce of several tensors of one dtype: one MPI call on a packed
 // buffer. `scratch` must hold the sum of all element counts (may be null when
 // there is a single tensor, which is then reduced in place of `outs[0]`).
 Status FusedAllreduce(const std::vector<TensorRef>& ins,
                       const std::vector<void*>& outs, DataType dtype,
-                      ReduceOp op, void* scratch);
+                      ReduceOp op, void* scratch, int slot = 0);
 
 // Broadcast from `root` of the current communicator. On the root `data` is
 // read; elsewhere it is written. All ranks must pass the same shape.
 Status Broadcast(void* data, const std::vector<int64_t>& shape, DataType dtype,
-                 int root);
+                 int root, int slot = 0);
 
 // Concatenation along axis 0 of every rank's tensor; first dimensions may
 // differ, the others must agree. `allocate(total_rows)` is called once, after
@@ -100,7 +108,7 @@ Status Broadcast(void* data, const std::vector<int64_t>& shape, DataType dtype,
 // the reason left to the caller). `first_dims` receives one entry per rank.
 Status Allgather(const TensorRef& in, DataType dtype,
                  const std::function<void*(int64_t total_rows)>& allocate,
-                 std::vector<int64_t>* first_dims);
+                 std::vector<int64_t>* first_dims, int slot = 0);
 
 // Number of MPI collective calls the core issued (data and agreement calls
 // alike) since the library was loaded. For tests and benchmarks.
@@ -128,7 +136,7 @@ enum class FlightState : int { kPending = 0, kOk = 1, kMismatch = 2, kMpiError =
 
 struct FlightEntry {
   int64_t seq = 0;            // 1, 2, ...: every collective of this process, in order
-  int kind = 0;               // 1 allreduce, 2 fused allreduce, 3 broadcast, 4 allgather
+  int kind = 0;               // internal::Kind: 1 allreduce ... 4 allgather, 5.. p2p/sparse
   int dtype = 0;              // DataType
   int64_t param = 0;          // ReduceOp, or the broadcast root
   int comm_rank = 0;

@@ -7,124 +7,22 @@
 // from an op inside a nested function.) Ranks that disagree on a collective
 // get INVALID_ARGUMENT with the payload "matex.mismatch"; other failures are
 // INTERNAL without a payload.
-#include <sys/mman.h>
-
-#include <cstdint>
-#include <cstring>
-#include <string>
-#include <vector>
-
-#include "absl/strings/cord.h"
-#include "matex_core.h"
-#include "tensorflow/core/framework/op_kernel.h"
-#include "tensorflow/core/framework/tensor.h"
+#include "common.h"
 
 namespace {
 
+using namespace matex_kernels;
 using tensorflow::OpKernel;
 using tensorflow::OpKernelConstruction;
 using tensorflow::OpKernelContext;
 using tensorflow::Tensor;
 using tensorflow::TensorShape;
 
-absl::Status ToTf(const matex::Status& s, const char* op) {
-  if (s.ok()) return absl::OkStatus();
-  std::string msg = std::string(op) + ": " + s.message;
-  switch (s.kind) {
-    case matex::Status::Kind::kMpiError: {
-      absl::Status st = absl::InternalError(msg);
-      const std::string error_class = std::to_string(s.mpi_error_class);
-      st.SetPayload("matex.mpi_error_class",
-                    absl::Cord(absl::string_view(error_class)));
-      return st;
-    }
-    case matex::Status::Kind::kMismatch: {
-      absl::Status st = absl::InvalidArgumentError(msg);
-      st.SetPayload("matex.mismatch", absl::Cord(absl::string_view("1")));
-      return st;
-    }
-    default:
-      return absl::InternalError(msg);
-  }
-}
-
-absl::Status CoreType(tensorflow::DataType dt, matex::DataType* out) {
-  switch (dt) {
-    case tensorflow::DT_HALF: *out = matex::DataType::kFloat16; break;
-    case tensorflow::DT_BFLOAT16: *out = matex::DataType::kBFloat16; break;
-    case tensorflow::DT_FLOAT: *out = matex::DataType::kFloat32; break;
-    case tensorflow::DT_DOUBLE: *out = matex::DataType::kFloat64; break;
-    case tensorflow::DT_INT32: *out = matex::DataType::kInt32; break;
-    case tensorflow::DT_INT64: *out = matex::DataType::kInt64; break;
-    default:
-      return absl::InvalidArgumentError("MaTEx collectives do not support " +
-                                        tensorflow::DataTypeString(dt));
-  }
-  return absl::OkStatus();
-}
-
-absl::Status ParseReduceOp(OpKernelConstruction* c, matex::ReduceOp* op) {
-  std::string name;
-  TF_RETURN_IF_ERROR(c->GetAttr("reduce_op", &name));
-  if (name == "sum") *op = matex::ReduceOp::kSum;
-  else if (name == "average") *op = matex::ReduceOp::kAverage;
-  else if (name == "min") *op = matex::ReduceOp::kMin;
-  else *op = matex::ReduceOp::kMax;
-  return absl::OkStatus();
-}
-
-matex::TensorRef Ref(const Tensor& t) {
-  matex::TensorRef r;
-  r.data = t.tensor_data().data();
-  for (int i = 0; i < t.dims(); ++i) r.shape.push_back(t.dim_size(i));
-  return r;
-}
-
-// Output 0 with input 0's shape and contents (the input buffer itself when
-// TensorFlow lets us reuse it), for broadcast, which works in place.
-absl::Status InPlaceOutput(OpKernelContext* ctx, matex::DataType* dtype,
-                           matex::TensorRef* ref) {
-  const Tensor& in = ctx->input(0);
-  TF_RETURN_IF_ERROR(CoreType(in.dtype(), dtype));
-  Tensor* out = nullptr;
-  TF_RETURN_IF_ERROR(ctx->forward_input_or_allocate_output({0}, 0, in.shape(), &out));
-  *ref = Ref(*out);
-  if (ref->data != in.tensor_data().data()) {
-    std::memcpy(const_cast<void*>(ref->data), in.tensor_data().data(),
-                in.tensor_data().size());
-  }
-  return absl::OkStatus();
-}
-
-// Names this kernel's node as the flight recorder's call site for the
-// collective it runs (the pointer lives as long as the kernel).
-class SiteScope {
- public:
-  explicit SiteScope(const OpKernel& k) { matex::SetFlightSite(k.name().c_str()); }
-  ~SiteScope() { matex::SetFlightSite(nullptr); }
-};
-
-void* Mutable(const matex::TensorRef& ref) { return const_cast<void*>(ref.data); }
-
-// Ask the kernel for transparent huge pages under a large output buffer, as
-// NumPy does for its large arrays: MPI writes all of it on every call, and
-// with 4 KB pages its copies were 4-7 % slower at 16-64 MB (TLB misses). A
-// hint only: it changes no data, and a refusal is ignored.
-void HugePagesFor(const Tensor& t) {
-  constexpr uintptr_t kHuge = uintptr_t(2) << 20;
-  constexpr size_t kFrom = size_t(4) << 20;
-  const size_t bytes = t.tensor_data().size();
-  if (bytes < kFrom) return;
-  const uintptr_t begin = reinterpret_cast<uintptr_t>(t.tensor_data().data());
-  const uintptr_t first = (begin + kHuge - 1) & ~(kHuge - 1);
-  const uintptr_t last = (begin + bytes) & ~(kHuge - 1);
-  if (last > first) madvise(reinterpret_cast<void*>(first), last - first, MADV_HUGEPAGE);
-}
-
 class AllreduceOp : public OpKernel {
  public:
   explicit AllreduceOp(OpKernelConstruction* c) : OpKernel(c) {
     OP_REQUIRES_OK(c, ParseReduceOp(c, &op_));
+    OP_REQUIRES_OK(c, c->GetAttr("comm", &comm_));
   }
   void Compute(OpKernelContext* ctx) override {
     SiteScope site(*this);
@@ -136,18 +34,20 @@ class AllreduceOp : public OpKernel {
     Tensor* out = nullptr;
     OP_REQUIRES_OK(ctx, ctx->forward_input_or_allocate_output({0}, 0, in.shape(), &out));
     HugePagesFor(*out);
-    OP_REQUIRES_OK(ctx, ToTf(matex::Allreduce(Ref(in), Mutable(Ref(*out)), dtype, op_),
+    OP_REQUIRES_OK(ctx, ToTf(matex::Allreduce(Ref(in), Mutable(Ref(*out)), dtype, op_, comm_),
                              "matex allreduce"));
   }
 
  private:
   matex::ReduceOp op_;
+  int comm_ = 0;
 };
 
 class GroupedAllreduceOp : public OpKernel {
  public:
   explicit GroupedAllreduceOp(OpKernelConstruction* c) : OpKernel(c) {
     OP_REQUIRES_OK(c, ParseReduceOp(c, &op_));
+    OP_REQUIRES_OK(c, c->GetAttr("comm", &comm_));
   }
   void Compute(OpKernelContext* ctx) override {
     SiteScope site(*this);
@@ -170,35 +70,40 @@ class GroupedAllreduceOp : public OpKernel {
                                            TensorShape({total}), &scratch));
     OP_REQUIRES_OK(
         ctx, ToTf(matex::FusedAllreduce(ins, outs, dtype, op_,
-                                        const_cast<char*>(scratch.tensor_data().data())),
+                                        const_cast<char*>(scratch.tensor_data().data()), comm_),
                   "matex fused allreduce"));
   }
 
  private:
   matex::ReduceOp op_;
+  int comm_ = 0;
 };
 
 class BroadcastOp : public OpKernel {
  public:
   explicit BroadcastOp(OpKernelConstruction* c) : OpKernel(c) {
     OP_REQUIRES_OK(c, c->GetAttr("root", &root_));
+    OP_REQUIRES_OK(c, c->GetAttr("comm", &comm_));
   }
   void Compute(OpKernelContext* ctx) override {
     SiteScope site(*this);
     matex::DataType dtype;
     matex::TensorRef ref;
     OP_REQUIRES_OK(ctx, InPlaceOutput(ctx, &dtype, &ref));
-    OP_REQUIRES_OK(ctx, ToTf(matex::Broadcast(Mutable(ref), ref.shape, dtype, root_),
+    OP_REQUIRES_OK(ctx, ToTf(matex::Broadcast(Mutable(ref), ref.shape, dtype, root_, comm_),
                              "matex broadcast"));
   }
 
  private:
   int root_;
+  int comm_ = 0;
 };
 
 class AllgatherOp : public OpKernel {
  public:
-  explicit AllgatherOp(OpKernelConstruction* c) : OpKernel(c) {}
+  explicit AllgatherOp(OpKernelConstruction* c) : OpKernel(c) {
+    OP_REQUIRES_OK(c, c->GetAttr("comm", &comm_));
+  }
   void Compute(OpKernelContext* ctx) override {
     SiteScope site(*this);
     const Tensor& in = ctx->input(0);
@@ -215,24 +120,32 @@ class AllgatherOp : public OpKernel {
       return const_cast<char*>(out->tensor_data().data());
     };
     std::vector<int64_t> first_dims;
-    matex::Status s = matex::Allgather(Ref(in), dtype, allocate, &first_dims);
+    matex::Status s = matex::Allgather(Ref(in), dtype, allocate, &first_dims, comm_);
     OP_REQUIRES_OK(ctx, alloc_status);
     OP_REQUIRES_OK(ctx, ToTf(s, "matex allgather"));
   }
+
+ private:
+  int comm_ = 0;
 };
 
 class CommInfoOp : public OpKernel {
  public:
-  explicit CommInfoOp(OpKernelConstruction* c) : OpKernel(c) {}
+  explicit CommInfoOp(OpKernelConstruction* c) : OpKernel(c) {
+    OP_REQUIRES_OK(c, c->GetAttr("comm", &comm_));
+  }
   void Compute(OpKernelContext* ctx) override {
     int rank = 0, size = 0;
-    OP_REQUIRES_OK(ctx, ToTf(matex::CommInfo(&rank, &size), "matex comm info"));
+    OP_REQUIRES_OK(ctx, ToTf(matex::CommInfo(&rank, &size, comm_), "matex comm info"));
     Tensor* t = nullptr;
     OP_REQUIRES_OK(ctx, ctx->allocate_output(0, TensorShape({}), &t));
     t->scalar<int32_t>()() = rank;
     OP_REQUIRES_OK(ctx, ctx->allocate_output(1, TensorShape({}), &t));
     t->scalar<int32_t>()() = size;
   }
+
+ private:
+  int comm_ = 0;
 };
 
 using tensorflow::DEVICE_CPU;

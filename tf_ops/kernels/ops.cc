@@ -11,12 +11,15 @@ using tensorflow::shape_inference::InferenceContext;
 using tensorflow::shape_inference::ShapeHandle;
 
 #define MATEX_DTYPES "T: {half, bfloat16, float, double, int32, int64}"
+// The communicator slot (matex_core.h): 0 is the data communicator.
+#define MATEX_COMM "comm: int = 0"
 
 REGISTER_OP("MatexAllreduce")
     .Input("tensor: T")
     .Output("output: T")
     .Attr(MATEX_DTYPES)
     .Attr("reduce_op: {'sum', 'average', 'min', 'max'}")
+    .Attr(MATEX_COMM)
     .SetIsStateful()
     .SetShapeFn(tensorflow::shape_inference::UnchangedShape)
     .Doc("Reduces `tensor` over all ranks of the current MaTEx communicator.");
@@ -27,6 +30,7 @@ REGISTER_OP("MatexGroupedAllreduce")
     .Attr("N: int >= 1")
     .Attr(MATEX_DTYPES)
     .Attr("reduce_op: {'sum', 'average', 'min', 'max'}")
+    .Attr(MATEX_COMM)
     .SetIsStateful()
     .SetShapeFn([](InferenceContext* c) {
       for (int i = 0; i < c->num_inputs(); ++i) c->set_output(i, c->input(i));
@@ -39,6 +43,7 @@ REGISTER_OP("MatexBroadcast")
     .Output("output: T")
     .Attr(MATEX_DTYPES)
     .Attr("root: int = 0")
+    .Attr(MATEX_COMM)
     .SetIsStateful()
     .SetShapeFn(tensorflow::shape_inference::UnchangedShape)
     .Doc("Returns rank `root`'s `tensor` on every rank.");
@@ -47,6 +52,7 @@ REGISTER_OP("MatexAllgather")
     .Input("tensor: T")
     .Output("output: T")
     .Attr(MATEX_DTYPES)
+    .Attr(MATEX_COMM)
     .SetIsStateful()
     .SetShapeFn([](InferenceContext* c) {
       ShapeHandle in, rest, out;
@@ -62,6 +68,7 @@ REGISTER_OP("MatexAllgather")
 REGISTER_OP("MatexCommInfo")
     .Output("rank: int32")
     .Output("size: int32")
+    .Attr(MATEX_COMM)
     .SetIsStateful()
     .SetShapeFn([](InferenceContext* c) {
       c->set_output(0, c->Scalar());

@@ -107,7 +107,7 @@ py::array EmptyLike(const py::array& a) {
 }
 
 py::array Allreduce(const py::array& a, const std::string& dtype,
-                    const std::string& op) {
+                    const std::string& op, int comm) {
   PySite site;
   matex::TensorRef in = Ref(a);
   py::array out = EmptyLike(a);
@@ -115,7 +115,7 @@ py::array Allreduce(const py::array& a, const std::string& dtype,
   matex::Status s;
   {
     py::gil_scoped_release nogil;
-    s = matex::Allreduce(in, dst, ParseDtype(dtype), ParseOp(op));
+    s = matex::Allreduce(in, dst, ParseDtype(dtype), ParseOp(op), comm);
   }
   if (!s.ok()) Raise(s);
   return out;
@@ -123,7 +123,7 @@ py::array Allreduce(const py::array& a, const std::string& dtype,
 
 std::vector<py::array> FusedAllreduce(const std::vector<py::array>& arrays,
                                       const std::string& dtype,
-                                      const std::string& op) {
+                                      const std::string& op, int comm) {
   PySite site;
   std::vector<matex::TensorRef> ins;
   std::vector<py::array> outs;
@@ -140,13 +140,13 @@ std::vector<py::array> FusedAllreduce(const std::vector<py::array>& arrays,
   {
     py::gil_scoped_release nogil;
     s = matex::FusedAllreduce(ins, dsts, ParseDtype(dtype), ParseOp(op),
-                              scratch.data());
+                              scratch.data(), comm);
   }
   if (!s.ok()) Raise(s);
   return outs;
 }
 
-py::array Broadcast(const py::array& a, const std::string& dtype, int root) {
+py::array Broadcast(const py::array& a, const std::string& dtype, int root, int comm) {
   PySite site;
   matex::TensorRef in = Ref(a);
   py::array out = EmptyLike(a);
@@ -155,13 +155,13 @@ py::array Broadcast(const py::array& a, const std::string& dtype, int root) {
   matex::Status s;
   {
     py::gil_scoped_release nogil;
-    s = matex::Broadcast(dst, in.shape, ParseDtype(dtype), root);
+    s = matex::Broadcast(dst, in.shape, ParseDtype(dtype), root, comm);
   }
   if (!s.ok()) Raise(s);
   return out;
 }
 
-py::array Allgather(const py::array& a, const std::string& dtype) {
+py::array Allgather(const py::array& a, const std::string& dtype, int comm) {
   PySite site;
   matex::TensorRef in = Ref(a);
   std::vector<int64_t> first_dims;
@@ -178,7 +178,7 @@ py::array Allgather(const py::array& a, const std::string& dtype) {
   matex::Status s;
   {
     py::gil_scoped_release nogil;
-    s = matex::Allgather(in, ParseDtype(dtype), allocate, &first_dims);
+    s = matex::Allgather(in, ParseDtype(dtype), allocate, &first_dims, comm);
   }
   if (!s.ok()) Raise(s);
   return out;
@@ -196,6 +196,9 @@ PYBIND11_MODULE(_matex_core, m) {
   m.attr("MismatchError") = g_mismatch_error;
   m.def("set_communicator", &matex::SetCommunicator, py::arg("handle"));
   m.def("get_communicator", &matex::GetCommunicator);
+  m.def("set_communicator_slot", &matex::SetCommunicatorSlot, py::arg("slot"), py::arg("handle"));
+  m.def("get_communicator_slot", &matex::GetCommunicatorSlot, py::arg("slot"));
+  m.attr("MAX_COMM_SLOTS") = matex::kMaxCommSlots;
   m.def("set_agreement_check", &matex::SetAgreementCheck, py::arg("enabled"));
   m.def("agreement_check", &matex::AgreementCheck);
   m.def("collective_call_count", &matex::CollectiveCallCount);
@@ -216,15 +219,17 @@ PYBIND11_MODULE(_matex_core, m) {
     for (const auto& e : entries) out.append(EntryDict(e));
     return out;
   });
-  m.def("comm_info", [] {
+  m.def("comm_info", [](int comm) {
     int rank = 0, size = 0;
-    matex::Status s = matex::CommInfo(&rank, &size);
+    matex::Status s = matex::CommInfo(&rank, &size, comm);
     if (!s.ok()) Raise(s);
     return py::make_tuple(rank, size);
-  });
-  m.def("allreduce", &Allreduce, py::arg("array"), py::arg("dtype"), py::arg("op"));
+  }, py::arg("comm") = 0);
+  m.def("allreduce", &Allreduce, py::arg("array"), py::arg("dtype"), py::arg("op"),
+        py::arg("comm") = 0);
   m.def("fused_allreduce", &FusedAllreduce, py::arg("arrays"), py::arg("dtype"),
-        py::arg("op"));
-  m.def("broadcast", &Broadcast, py::arg("array"), py::arg("dtype"), py::arg("root"));
-  m.def("allgather", &Allgather, py::arg("array"), py::arg("dtype"));
+        py::arg("op"), py::arg("comm") = 0);
+  m.def("broadcast", &Broadcast, py::arg("array"), py::arg("dtype"), py::arg("root"),
+        py::arg("comm") = 0);
+  m.def("allgather", &Allgather, py::arg("array"), py::arg("dtype"), py::arg("comm") = 0);
 }
