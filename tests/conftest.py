@@ -32,7 +32,7 @@ def _tier(item):
         return "netns"
     module = getattr(item, "module", None)
     name = getattr(module, "__name__", "").rsplit(".", 1)[-1]
-    if name in _ULFM_MODULES:
+    if name in _ULFM_MODULES or getattr(module, "TIER", None) == "ulfm":
         return "ulfm"
     if module is not None and "mpitools" in vars(module):
         return "mpi"
