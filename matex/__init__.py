@@ -42,6 +42,7 @@ __all__ = [
     "allreduce", "broadcast", "allgather", "broadcast_variables",
     "DistributedOptimizer", "DistributedGradientTape", "mpi_error_class", "shard", "is_sharded",
     "on_rank_loss", "run_resilient", "errors",
+    "sparse_allreduce", "stats", "LocalSGD", "DiLoCo",
 ]
 
 _LAZY = {
@@ -56,6 +57,10 @@ _LAZY = {
     "is_sharded": "matex._batch_slicing",
     "on_rank_loss": "matex._resilience",
     "run_resilient": "matex._recovery",
+    "sparse_allreduce": "matex._sparse",       # SparCML-style sparse allreduce (#14)
+    "stats": "matex._stats",                   # bytes on the wire per step and variable (#14)
+    "LocalSGD": "matex.localsgd",              # fewer synchronisations (#14)
+    "DiLoCo": "matex.localsgd",
 }
 
 
