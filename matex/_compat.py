@@ -278,3 +278,15 @@ def oracle_random_values(oracle):
 def oracle_has_tried(oracle, values):
     """Whether the oracle has already handed out (or run) these hyperparameter values."""
     return oracle._duplicate(values)
+
+
+# ---- matex.parallel (pipelines) ---------------------------------------------
+
+def inbound_nodes(layer):
+    """The calls of ``layer`` recorded in functional graphs (a shared layer has several)."""
+    return list(getattr(layer, "_inbound_nodes", ()) or ())
+
+
+def loss_tracker(model):
+    """The ``Mean`` metric a Keras train step feeds its loss to (``logs["loss"]``)."""
+    return model._loss_tracker
