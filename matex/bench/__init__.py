@@ -1,0 +1,1 @@
+"""``python -m matex.bench RECIPE``: benchmark recipes (see ``matex.science.recipe``)."""
