@@ -292,6 +292,17 @@ def _plan_balanced(model, stages, measure):
 
 
 def plan(model, stages, pipeline_size, measure=layer_costs, agree=None):
+    """The stage plan for ``model`` (see ``_plan``). On a 1-rank pipeline the
+    marked cuts are checked and the whole model is one stage (boundaries are
+    identities), so a pipelined script also runs in one process."""
+    if pipeline_size == 1 and not isinstance(stages, (int, np.integer)):
+        marked = _plan(model, stages, None, measure, agree)
+        return Plan([None], [[n for group in marked.stage_layers for n in group]],
+                    marked.built)
+    return _plan(model, stages, pipeline_size, measure, agree)
+
+
+def _plan(model, stages, pipeline_size, measure=layer_costs, agree=None):
     """The stage plan for ``model``; ``agree(names)`` makes every rank use rank 0's choice.
 
     Args:

@@ -1,0 +1,568 @@
+"""``PipelineModel``: a Keras model whose stages live on different ranks.
+
+    pm = matex.parallel.PipelineModel(model, microbatches=4, schedule="1f1b")
+    pm.compile(optimizer="adam", loss="mse")
+    pm.fit(x, y, batch_size=64)          # on every rank, with the same data
+
+Every rank of the pipeline builds the same model and keeps one stage of it
+(``_stages`` says where the stages begin): ``pm.trainable_weights`` are this
+rank's stage. A training step splits the (data replica's share of the)
+global batch into M equal micro-batches and runs them through the stages in
+the order of the schedule (``_schedule``): forward activations go to the next
+stage and gradients back with ``matex.parallel.send``/``recv``/``sendrecv``
+inside the step's ``tf.function``. Each stage sums its micro-batches'
+gradients (the loss of micro-batch m counts 1/M), so one step equals one
+unpipelined step on the whole batch, up to float rounding. With a grid of
+data x pipeline ranks, the summed gradients are then averaged over the data
+communicator (slot 0) and every stage's optimizer applies them.
+
+Loss and metrics are computed on the last stage; ``get_metrics_result``
+broadcasts their states from the last stage over the pipeline and sums them
+over the data replicas, so every rank reports the same, exact global logs.
+
+Requirements (each a ValueError on every rank): the micro-batch count M
+divides every batch's rows (per data replica: D x M divides the global
+batch); the stages equal the pipeline ranks; each cut separates the graph.
+``predict`` accepts any number of rows (it pads internally).
+"""
+
+import numpy as np
+import keras
+import tensorflow as tf
+
+from matex import _collectives, _compat, _fusion, _runtime
+from matex.parallel import _p2p, _schedule, _stages
+from matex.parallel._stages import StageBoundary
+
+_TAG = 17   # p2p channel of pipeline transfers (forward and backward go opposite ways)
+
+
+class _Layout:
+    """This rank's place: pipeline rank/size/slot, data rank/size/slot, a control comm."""
+
+    def __init__(self, grid):
+        from matex.parallel import _grid
+
+        grid = grid if grid is not None else _grid.current()
+        self.grid = grid
+        if grid is None:
+            comm = _runtime.comm()
+            self.pipeline_rank, self.pipeline_size = comm.Get_rank(), comm.Get_size()
+            self.pipeline_slot = 0
+            self.data_rank, self.data_size = 0, 1
+            self.tensor_rank, self.tensor_size = 0, 1
+            world = comm
+        else:
+            self.pipeline_rank, self.pipeline_size = grid.pipeline_rank, grid.pipeline_size
+            self.pipeline_slot = grid.pipeline_slot
+            self.data_rank, self.data_size = grid.data_rank, grid.data_size
+            self.tensor_rank, self.tensor_size = grid.tensor_rank, grid.tensor_size
+            world = grid.world_comm
+        # MaTEx's own Python-level messages of this pipeline (plans, errors, saving)
+        self.control = world.Dup()
+        self.world_rank = self.control.Get_rank()
+
+    @property
+    def first(self):
+        return self.pipeline_rank == 0
+
+    @property
+    def last(self):
+        return self.pipeline_rank == self.pipeline_size - 1
+
+
+def _agree(control, function):
+    """``function()`` on every rank; if it raised on any rank, raise on every rank."""
+    error = None
+    try:
+        value = function()
+    except (ValueError, TypeError, NotImplementedError) as exc:
+        error = exc
+    messages = control.allgather(None if error is None else "%s: %s"
+                                 % (type(error).__name__, error))
+    if error is not None:
+        raise error
+    failed = [(r, m) for r, m in enumerate(messages) if m is not None]
+    if failed:
+        raise ValueError("matex.parallel: rank %d failed: %s" % failed[0])
+    return value
+
+
+def _nbytes(variables):
+    return int(sum(np.prod(v.shape) * np.dtype(v.dtype).itemsize for v in variables))
+
+
+class PipelineModel(keras.Model):
+    """A Keras model split into pipeline stages, one per pipeline rank.
+
+    Args:
+      model: a built functional or Sequential model (the same on every rank),
+        or an unbuilt Sequential (then call ``pm.build(input_shape)``: only
+        this rank's layers are built, so no rank ever holds the whole model).
+      microbatches: M, how many micro-batches a (per-replica) batch is cut
+        into; it must divide every batch's rows.
+      schedule: "1f1b" (default; one-forward-one-backward, at most P - p
+        micro-batches' activations alive on stage p) or "gpipe" (all
+        forwards, then all backwards).
+      grid: a ``matex.parallel.grid(data=D, pipeline=P, tensor=T)``; default
+        the open grid, else one pipeline over every rank of ``matex.comm()``.
+      stages: where the stages begin: None (the model's ``StageBoundary``
+        layers), a list of the names of the first layer of each stage after
+        the first, or the number of stages (balanced by MaTEx).
+
+    ``fit``, ``evaluate``, ``predict`` run on every rank with the same data
+    and return the same results everywhere; ``save`` writes one plain Keras
+    file holding every stage (rank 0 writes).
+    """
+
+    def __init__(self, model, microbatches: int = 1, schedule: str = "1f1b", grid=None,
+                 stages=None, name=None):
+        super().__init__(name=name or "%s_pipeline" % model.name)
+        layout = _Layout(grid)
+        object.__setattr__(self, "_layout", layout)
+        object.__setattr__(self, "_full", model)   # structure only (not tracked)
+
+        def prepare():
+            if not isinstance(microbatches, (int, np.integer)) or isinstance(microbatches, bool) \
+                    or microbatches < 1:
+                raise ValueError("matex.parallel: microbatches must be a positive integer, "
+                                 "not %r" % (microbatches,))
+            if schedule not in _schedule.SCHEDULES:
+                raise ValueError("matex.parallel: schedule must be one of %s, not %r"
+                                 % (", ".join(_schedule.SCHEDULES), schedule))
+            return _stages.plan(model, stages, layout.pipeline_size, agree=None)
+
+        if isinstance(stages, (int, np.integer)) and not isinstance(stages, bool):
+            # balancing measures time: rank 0 decides, everyone follows
+            plan = _stages.plan(model, stages, layout.pipeline_size, agree=layout.control)
+            _agree(layout.control, lambda: None)
+        else:
+            plan = _agree(layout.control, prepare)
+        self.microbatches = int(microbatches)
+        self.schedule = schedule
+        self.plan = plan
+        self._skip_results = False
+        self._synced = False
+        self._input_shape = None
+        self.stage = None
+        if plan.built:
+            self.stage = self._stage_of_graph(model, plan)
+            self._learn_output_specs()
+            self.built = True
+        self._matex_explicit = True   # matex.keras leaves data and optimizer to us
+
+    # ---- stages --------------------------------------------------------------
+
+    def _stage_of_graph(self, model, plan):
+        k, P = self._layout.pipeline_rank, plan.size
+        if k == 0:
+            inputs = model.inputs[0] if len(model.inputs) == 1 else list(model.inputs)
+        else:
+            inputs = model.get_layer(plan.starts[k]).input
+        if k == P - 1:
+            outputs = model.outputs[0] if len(model.outputs) == 1 else list(model.outputs)
+        else:
+            outputs = model.get_layer(plan.starts[k + 1]).input
+        return keras.Model(inputs, outputs, name="%s_stage%d" % (model.name, k))
+
+    def build(self, input_shape):
+        """Build an unbuilt Sequential's stage for inputs of ``input_shape`` (this rank only)."""
+        if self.stage is not None:
+            self.built = True
+            return
+        shape = tuple(input_shape)
+        self._input_shape = shape
+        k = self._layout.pipeline_rank
+        names = [n for group in self.plan.stage_layers[:k] for n in group]
+        for n in names:
+            layer = self._full.get_layer(n)
+            try:
+                shape = tuple(layer.compute_output_shape(shape))
+            except NotImplementedError:
+                raise ValueError(
+                    "matex.parallel: cannot infer the output shape of layer %r without "
+                    "building it; build the whole model instead" % n) from None
+        layers = [self._full.get_layer(n) for n in self.plan.stage_layers[k]]
+        self.stage = keras.Sequential([keras.Input(batch_shape=shape)] + layers,
+                                      name="%s_stage%d" % (self._full.name, k))
+        self._learn_output_specs()
+        self.built = True
+
+    def _stage_input_spec(self):
+        t = self.stage.inputs[0]
+        return list(t.shape[1:]), t.dtype
+
+    def _learn_output_specs(self):
+        """[(shape without batch, dtype)] of the whole model's outputs (collective when
+        the model was an unbuilt Sequential: the last stage tells everyone)."""
+        if self.plan.built:
+            outs = self._full.outputs
+            self._out_specs = [(list(t.shape[1:]), t.dtype) for t in outs]
+            return
+        spec = None
+        if self._layout.last:
+            spec = [(list(t.shape[1:]), t.dtype.name if hasattr(t.dtype, "name")
+                     else str(t.dtype)) for t in self.stage.outputs]
+        self._out_specs = self._layout.control.bcast(spec, root=self._last_world_rank())
+
+    def _last_world_rank(self):
+        g = self._layout.grid
+        if g is None:
+            return self._layout.pipeline_size - 1
+        return g.world_rank_of(pipeline=self._layout.pipeline_size - 1)
+
+    def call(self, inputs, training=False):
+        rows = tf.shape(keras.tree.flatten(inputs)[0])[0]
+        return self._forward_all(inputs, rows, training)
+
+    # ---- transfers ------------------------------------------------------------
+
+    def _recv(self, shape, dtype, source):
+        return _p2p.recv(shape, dtype, source, comm=self._layout.pipeline_slot, tag=_TAG)
+
+    def _send(self, tensor, dest):
+        return _p2p.send(tensor, dest, comm=self._layout.pipeline_slot, tag=_TAG)
+
+    def _sendrecv(self, tensor, dest, source, shape, dtype):
+        return _p2p.sendrecv(tensor, dest, source, shape, dtype,
+                             comm=self._layout.pipeline_slot, tag=_TAG)
+
+    # ---- data ----------------------------------------------------------------
+
+    def _replica_share(self, structure, rows):
+        """This data replica's contiguous share of every tensor (rows divisible by D)."""
+        D, d = self._layout.data_size, self._layout.data_rank
+        if D == 1:
+            return structure
+        share = rows // D
+        return keras.tree.map_structure(
+            lambda t: None if t is None else t[d * share:(d + 1) * share], structure)
+
+    def _check_rows(self, rows):
+        M, D = self.microbatches, self._layout.data_size
+        return tf.debugging.assert_equal(
+            rows % (M * D), 0, message=(
+                "matex.parallel: a batch's rows must divide by data replicas x microbatches "
+                "= %d x %d" % (D, M)))
+
+    # ---- the schedule ---------------------------------------------------------
+
+    def _run(self, x, y, sample_weight, rows, train):
+        """Run the schedule on this stage; returns the summed gradients (train) or None."""
+        L = self._layout
+        P, p, M = L.pipeline_size, L.pipeline_rank, self.microbatches
+        mb = rows // M
+
+        def part(structure, m):
+            return keras.tree.map_structure(
+                lambda t: None if t is None else t[m * mb:(m + 1) * mb], structure)
+
+        in_shape, in_dtype = (None, None) if p == 0 else self._stage_input_spec()
+        if p > 0:
+            in_shape = tf.concat([[tf.cast(mb, tf.int64)],
+                                  tf.constant(in_shape, tf.int64)], 0) \
+                if in_shape else tf.reshape(tf.cast(mb, tf.int64), [1])
+        out_t = self.stage.outputs[0]
+        out_shape = tf.concat([[tf.cast(mb, tf.int64)],
+                               tf.constant(list(out_t.shape[1:]), tf.int64)], 0) \
+            if len(out_t.shape) > 1 else tf.reshape(tf.cast(mb, tf.int64), [1])
+        weights = list(self.stage.trainable_variables)
+        total = [None] * len(weights)
+        saved = {}
+        pending = None   # (tensor, peer) whose send is fused with the next receive
+        has_losses = bool(self.stage.losses) if not L.last else False
+        for step in _schedule.steps(self.schedule, P, p, M, train):
+            m = step.micro
+            if step.kind == "F":
+                if step.fused_recv:
+                    x_in = self._sendrecv(pending[0], pending[1], p - 1, in_shape, in_dtype)
+                    pending = None
+                elif step.recv is not None:
+                    x_in = self._recv(in_shape, in_dtype, p - 1)
+                else:
+                    x_in = part(x, m)
+                with tf.GradientTape(watch_accessed_variables=train) as tape:
+                    if p > 0:
+                        tape.watch(x_in)
+                    out = self.stage(x_in, training=train)
+                    loss = None
+                    if L.last:
+                        y_m, sw_m = part(y, m), part(sample_weight, m)
+                        loss = self.compute_loss(x=None, y=y_m, y_pred=out,
+                                                 sample_weight=sw_m, training=train)
+                        _compat.loss_tracker(self).update_state(loss, sample_weight=mb)
+                        self._skip_results = True
+                        try:
+                            self.compute_metrics(None, y_m, out, sample_weight=sw_m)
+                        finally:
+                            self._skip_results = False
+                        loss = loss / M
+                    elif has_losses and train:
+                        loss = tf.add_n(self.stage.losses) / M
+                saved[m] = (tape, x_in, out, loss)
+                if step.send is not None:
+                    if step.fused_send:
+                        pending = (out, p + 1)
+                    else:
+                        self._send(out, p + 1)
+            else:
+                tape, x_in, out, loss = saved.pop(m)
+                sources = weights + ([x_in] if p > 0 else [])
+                if L.last:
+                    grads = tape.gradient(loss, sources)
+                else:
+                    if step.fused_recv:
+                        dy = self._sendrecv(pending[0], pending[1], p + 1, out_shape,
+                                            out.dtype)
+                        pending = None
+                    else:
+                        dy = self._recv(out_shape, out.dtype, p + 1)
+                    if loss is not None:
+                        target = tf.reduce_sum(out * tf.stop_gradient(dy)) + loss
+                        grads = tape.gradient(target, sources)
+                    else:
+                        grads = tape.gradient(out, sources, output_gradients=dy)
+                for i, g in enumerate(grads[:len(weights)]):
+                    if g is not None:
+                        g = tf.convert_to_tensor(g)
+                        total[i] = g if total[i] is None else total[i] + g
+                if p > 0:
+                    dx = grads[-1]
+                    if dx is None:
+                        dx = tf.zeros_like(x_in)
+                    if step.fused_send:
+                        pending = (dx, p - 1)
+                    else:
+                        self._send(dx, p - 1)
+        assert pending is None, "a fused transfer was left unsent"
+        return total if train else None
+
+    def _forward_all(self, x, rows, training):
+        """Forward only, M micro-batches; the whole model's outputs on every pipeline rank."""
+        L = self._layout
+        P, p, M = L.pipeline_size, L.pipeline_rank, self.microbatches
+        mb = rows // M
+        in_shape, in_dtype = (None, None) if p == 0 else self._stage_input_spec()
+        outs = []
+        for m in range(M):
+            if p == 0:
+                x_in = keras.tree.map_structure(lambda t: t[m * mb:(m + 1) * mb], x)
+            else:
+                shape = tf.concat([[tf.cast(mb, tf.int64)], tf.constant(in_shape, tf.int64)], 0)
+                x_in = self._recv(shape, in_dtype, p - 1)
+            out = self.stage(x_in, training=training)
+            if p < P - 1:
+                self._send(out, p + 1)
+            else:
+                outs.append(keras.tree.flatten(out))
+        specs = self._out_specs
+        if L.last:
+            flat = [tf.concat([o[i] for o in outs], 0) for i in range(len(specs))]
+        else:
+            flat = [tf.zeros(tf.concat([[rows], tf.constant(s, tf.int32)], 0), dt)
+                    for s, dt in specs]
+        if P > 1:
+            flat = [_collectives.broadcast(t, root=P - 1, comm=L.pipeline_slot) for t in flat]
+        return flat[0] if len(flat) == 1 else flat
+
+    # ---- Keras steps ------------------------------------------------------------
+
+    def train_step(self, data):
+        x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(data)
+        rows = tf.shape(keras.tree.flatten(y if x is None else x)[0])[0]
+        with tf.control_dependencies([self._check_rows(rows)]):
+            rows = tf.identity(rows // self._layout.data_size)
+        x, y, sample_weight = self._replica_share((x, y, sample_weight),
+                                                  rows * self._layout.data_size)
+        weights = list(self.stage.trainable_variables)
+        grads = self._run(x, y, sample_weight, rows, train=True)
+        if self._layout.data_size > 1:
+            grads = _fusion.allreduce_gradients(grads, "average")
+        self.optimizer.apply(grads, weights)
+        return self.get_metrics_result()
+
+    def test_step(self, data):
+        x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(data)
+        rows = tf.shape(keras.tree.flatten(y if x is None else x)[0])[0]
+        with tf.control_dependencies([self._check_rows(rows)]):
+            rows = tf.identity(rows // self._layout.data_size)
+        x, y, sample_weight = self._replica_share((x, y, sample_weight),
+                                                  rows * self._layout.data_size)
+        self._run(x, y, sample_weight, rows, train=False)
+        return self.get_metrics_result()
+
+    def predict_step(self, data):
+        x, _, _ = keras.utils.unpack_x_y_sample_weight(data)
+        rows = tf.shape(keras.tree.flatten(x)[0])[0]
+        D, M = self._layout.data_size, self.microbatches
+        pad = (-rows) % (D * M)
+        x = keras.tree.map_structure(
+            lambda t: tf.concat([t, tf.zeros(tf.concat([[pad], tf.shape(t)[1:]], 0), t.dtype)],
+                                0), x)
+        padded = rows + pad
+        x = self._replica_share(x, padded)
+        out = self._forward_all(x, padded // D, training=False)
+        if D > 1:
+            out = keras.tree.map_structure(_collectives.allgather, out)
+        return keras.tree.map_structure(lambda t: t[:rows], out)
+
+    def get_metrics_result(self):
+        """Metric results from the last stage's states, summed over data replicas (exact)."""
+        if self._skip_results:
+            return {}
+        L = self._layout
+        variables = [v for metric in self.metrics for v in metric.variables]
+        if variables and L.pipeline_size > 1:
+            for v in variables:
+                v.assign(_collectives.broadcast(tf.convert_to_tensor(v),
+                                                root=L.pipeline_size - 1,
+                                                comm=L.pipeline_slot))
+        local = None
+        if variables and L.data_size > 1:
+            local = [tf.identity(tf.convert_to_tensor(v)) for v in variables]
+            for v, t in zip(variables, _fusion.allreduce_gradients(local, "sum",
+                                                                    threshold=1 << 30)):
+                v.assign(t)
+        results = {}
+        for metric in self.metrics:
+            value = metric.result()
+            if isinstance(value, dict):
+                results.update(value)
+            else:
+                results[metric.name] = value
+        if local is not None:
+            results = tf.nest.map_structure(tf.identity, results)
+            with tf.control_dependencies(tf.nest.flatten(results)):
+                for v, t in zip(variables, local):
+                    v.assign(t)
+        return results
+
+    # ---- compile / fit / evaluate / predict ------------------------------------
+
+    def compile(self, *args, **kwargs):
+        kwargs["jit_compile"] = False   # the p2p ops have no XLA kernels
+        super().compile(*args, **kwargs)
+        self._matex_explicit = True
+        optimizer = getattr(self, "optimizer", None)
+        if optimizer is not None:
+            # this model averages over the data replicas itself (slot 0 may span stages)
+            object.__setattr__(optimizer, "_matex_reduced_by_wrapper", True)
+
+    def _require_built(self):
+        if self.stage is None:
+            raise ValueError("matex.parallel: this PipelineModel wraps an unbuilt Sequential: "
+                             "call pm.build(input_shape) first (on every rank)")
+
+    def _check_array_batches(self, x, batch_size, what):
+        """For array inputs: every batch (the last included) must split into D x M parts."""
+        flat = keras.tree.flatten(x) if x is not None else []
+        if not flat or not hasattr(flat[0], "shape") or isinstance(flat[0], tf.data.Dataset):
+            return
+        n = int(flat[0].shape[0])
+        batch = batch_size or 32
+        parts = self.microbatches * self._layout.data_size
+        sizes = {min(batch, n)} | ({n % batch} if n % batch and n > batch else set())
+        bad = sorted(s for s in sizes if s % parts)
+        if bad:
+            raise ValueError(
+                "matex.parallel: %s: a batch of %d rows cannot be cut into %d data replica(s) "
+                "x %d micro-batches (%d equal parts); microbatches x data replicas must divide "
+                "every batch, the last one included (%d rows, batch_size %d)"
+                % (what, bad[0], self._layout.data_size, self.microbatches, parts, n, batch))
+        if self.microbatches > min(sizes):
+            raise ValueError("matex.parallel: %s: more micro-batches (%d) than rows in a batch"
+                             % (what, self.microbatches))
+
+    def _sync_replicas(self):
+        """Stage weights from data replica 0 (once), so replicas start equal."""
+        if self._synced or self._layout.data_size == 1:
+            self._synced = True
+            return
+        _collectives.broadcast_variables(self.stage.variables, 0)
+        self._synced = True
+
+    def _quiet(self, verbose):
+        return verbose if self._layout.world_rank == 0 else 0
+
+    def fit(self, x=None, y=None, batch_size=None, epochs=1, verbose="auto", **kwargs):
+        self._require_built()
+        _agree(self._layout.control, lambda: self._check_array_batches(x, batch_size, "fit"))
+        self._sync_replicas()
+        return super().fit(x, y, batch_size=batch_size, epochs=epochs,
+                           verbose=self._quiet(verbose), **kwargs)
+
+    def evaluate(self, x=None, y=None, batch_size=None, verbose="auto", **kwargs):
+        self._require_built()
+        _agree(self._layout.control,
+               lambda: self._check_array_batches(x, batch_size, "evaluate"))
+        self._sync_replicas()
+        return super().evaluate(x, y, batch_size=batch_size, verbose=self._quiet(verbose),
+                                **kwargs)
+
+    def predict(self, x, batch_size=None, verbose="auto", **kwargs):
+        self._require_built()
+        self._sync_replicas()
+        return super().predict(x, batch_size=batch_size, verbose=self._quiet(verbose),
+                               **kwargs)
+
+    # ---- the whole model: gather, save -----------------------------------------
+
+    def stage_bytes(self) -> int:
+        """Bytes of this rank's stage parameters (trainable and not)."""
+        return _nbytes(self.stage.variables) if self.stage is not None else 0
+
+    def gather_model(self, root: int = 0):
+        """The whole model, every stage's weights in it, on world rank ``root`` (None elsewhere).
+
+        Collective. ``StageBoundary`` layers become ``keras.layers.Identity``, so the
+        result is plain Keras. Tensor-parallel shards are not gathered (T must be 1).
+        """
+        self._require_built()
+        L = self._layout
+        if L.tensor_size > 1:
+            raise NotImplementedError("matex.parallel: gathering a pipeline whose stages are "
+                                      "tensor-parallel is not supported yet")
+        mine = {}
+        if L.data_rank == 0:
+            for name in self.plan.stage_layers[L.pipeline_rank]:
+                layer = self._full.get_layer(name)
+                mine[name] = [np.asarray(v) for v in layer.weights]
+        pieces = L.control.gather(mine, root=root)
+        if L.world_rank != root:
+            return None
+        weights = {}
+        for piece in pieces:
+            weights.update(piece)
+
+        def clone(layer):
+            if isinstance(layer, StageBoundary):
+                return keras.layers.Identity(name=layer.name)
+            return layer.__class__.from_config(layer.get_config())
+
+        whole = keras.models.clone_model(self._full, clone_function=clone)
+        if not whole.built:
+            whole.build(self._input_shape)
+        for layer in whole.layers:
+            if layer.name in weights and weights[layer.name]:
+                layer.set_weights(weights[layer.name])
+        return whole
+
+    def save(self, filepath, overwrite=True, **kwargs):
+        """Write the whole model (every stage) as one plain Keras file; rank 0 writes.
+
+        Collective. Load it anywhere with ``keras.models.load_model`` (no MaTEx
+        needed). The optimizer state is not saved.
+        """
+        L = self._layout
+        whole = None
+        error = None
+        try:
+            whole = self.gather_model(0)
+            if whole is not None:
+                keras.Model.save(whole, filepath, overwrite=overwrite, **kwargs)
+        except Exception as exc:  # noqa: BLE001 - reported on every rank below
+            error = "%s: %s" % (type(exc).__name__, exc)
+        error = L.control.bcast(error, root=0)
+        if error is not None:
+            raise RuntimeError("matex.parallel: saving %s failed on rank 0: %s"
+                               % (filepath, error))
