@@ -251,3 +251,36 @@ def test_bad_hessian_input_raises_on_every_rank():
     uncompiled = keras.Sequential([keras.Input((D,)), keras.layers.Dense(M)])
     with pytest.raises(ValueError, match="not compiled"):
         science.hessian_trace(uncompiled, (X, Y))
+
+
+def test_trajectory_pca_surface_and_plot():
+    model = mlp()
+    traj_path = shared_path("trajectory.h5")
+    recorder = science.TrajectoryRecorder(traj_path)
+    model.fit(X, Y, epochs=4, batch_size=16, verbose=0, callbacks=[recorder])
+    count = sum(int(np.prod(v.shape)) for v in model.trainable_weights)
+    assert recorder.weights.shape == (5, count)
+    final = np.concatenate([v.numpy().reshape(-1) for v in model.trainable_weights])
+    np.testing.assert_allclose(recorder.weights[-1], final, rtol=1e-6)
+    matex.comm().Barrier()
+    np.testing.assert_array_equal(science.load_trajectory(traj_path), recorder.weights)
+    path = shared_path("pca.h5")
+    if matex.rank() == 0 and os.path.exists(path):
+        os.remove(path)
+    matex.comm().Barrier()
+    surface = science.loss_surface(model, (X, Y), directions="pca", trajectory=recorder,
+                                   resolution=(5, 5), span=2.0, path=path, verbose=0)
+    assert abs(surface[2, 2] - model.evaluate(X, Y, verbose=0)) < 1e-12
+    stored = science.read_surface(path)
+    d1 = np.concatenate([a.reshape(-1) for a in stored["d1"]])
+    d2 = np.concatenate([a.reshape(-1) for a in stored["d2"]])
+    assert abs(d1 @ d1 - 1) < 1e-9 and abs(d1 @ d2) < 1e-9   # PCA: orthonormal, not rescaled
+    np.testing.assert_allclose(stored["trajectory"][-1], 0.0, atol=1e-6)
+    np.testing.assert_allclose(stored["trajectory"],
+                               science.project_trajectory(recorder, [d1, d2]), atol=1e-6)
+    if matex.rank() == 0:
+        import matplotlib.image
+
+        png = science.plot_surface(path, shared_path("pca.png"))
+        image = matplotlib.image.imread(png)
+        assert image.shape[:2] == (320, 400) and image[..., :3].std() > 0.05
