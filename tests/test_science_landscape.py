@@ -14,3 +14,25 @@ import mpitools
 def test_science_suite(nranks, tmp_path):
     env = dict(__import__("os").environ, MATEX_FLIGHT_DIR=str(tmp_path / "flight"))
     assert mpitools.run_suite(nranks, ["test_science.py"], tmp_path, env=env, timeout=600) >= 10
+
+
+def test_loss_surface_benchmark_quick(tmp_path):
+    """benchmarks/loss_surface.py --quick: a finite table, both schemes give the same surface."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    out = tmp_path / "surface.json"
+    proc = subprocess.run(
+        [sys.executable, str(mpitools.ROOT / "benchmarks" / "loss_surface.py"), "--quick",
+         "--json", str(out)], cwd=mpitools.ROOT, capture_output=True, text=True, timeout=400,
+        env=dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2"))
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+    results = json.loads(out.read_text())
+    assert set(results) == {"1", "2"}
+    for r in results.values():
+        assert r["points"] == 25 and r["dynamic"] > 0 and r["static"] > 0
+        assert r["max_difference"] < 1e-5
+    assert "| 2     | static" in proc.stdout
+    assert "both schemes give the same surface: MET" in proc.stdout
