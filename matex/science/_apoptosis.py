@@ -339,14 +339,22 @@ class NeuronApoptosis(keras.callbacks.Callback):
 
     def _activity(self) -> list:
         """Per watched layer, mean |activation| per unit over every rank's probe samples."""
-        outputs = self._probe.predict(self.data, batch_size=self.batch_size, verbose=0)
-        if len(self._layers) == 1:
-            outputs = [outputs]
-        sums, counts = [], []
-        for out in outputs:
-            out = np.abs(np.asarray(out, np.float64))
-            sums.append(out.reshape(-1, out.shape[-1]).sum(axis=0))
-            counts.append(out.size // out.shape[-1])
+        # called directly, batch by batch: this rank's probe only (predict under
+        # matex.keras would shard and gather it across ranks)
+        data = self.data
+        n = len(data[0] if isinstance(data, (tuple, list)) else data)
+        sums = [np.zeros(_units(lay)) for lay in self._layers]
+        counts = [0.0] * len(self._layers)
+        for start in range(0, n, self.batch_size):
+            part = (type(data)(d[start:start + self.batch_size] for d in data)
+                    if isinstance(data, (tuple, list)) else data[start:start + self.batch_size])
+            outputs = self._probe(part, training=False)
+            if len(self._layers) == 1:
+                outputs = [outputs]
+            for i, out in enumerate(outputs):
+                out = np.abs(np.asarray(out, np.float64))
+                sums[i] += out.reshape(-1, out.shape[-1]).sum(axis=0)
+                counts[i] += out.size // out.shape[-1]
         flat = np.concatenate(sums + [np.asarray(counts, np.float64)])
         total = np.asarray(matex.allreduce(tf.constant(flat), "sum"))
         result, start = [], 0
