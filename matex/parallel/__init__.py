@@ -1,0 +1,42 @@
+"""Model parallelism (issue #13): point-to-point ops, the communicator grid,
+tensor-parallel layers (and pipeline parallelism).
+
+    import matex.parallel as mp
+    g = mp.grid(data=2, tensor=2)          # 4 ranks: 2 replicas x 2-way tensor parallel
+    layer = mp.ColumnParallelDense(1024, grid=g, gather_output=False)
+    t = mp.send(y, dest=1, comm=g.pipeline_slot)
+
+Names resolve lazily so that importing this package does not import
+TensorFlow before it is needed.
+"""
+
+__all__ = [
+    "send", "recv", "sendrecv",
+    "grid", "Grid",
+    "PipelineModel", "StageBoundary",
+]
+
+_LAZY = {
+    "send": "matex.parallel._p2p",
+    "recv": "matex.parallel._p2p",
+    "sendrecv": "matex.parallel._p2p",
+    "grid": "matex.parallel._grid",
+    "Grid": "matex.parallel._grid",
+    "PipelineModel": "matex.parallel._pipeline",
+    "StageBoundary": "matex.parallel._stages",
+}
+
+
+def __getattr__(name):
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError("module 'matex.parallel' has no attribute %r" % name)
+    import importlib
+
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__():
+    return sorted(set(globals()) | set(__all__))

@@ -1,0 +1,153 @@
+"""The communicator grid: data x pipeline x tensor-parallel groups of ranks.
+
+``grid(data=D, pipeline=P, tensor=T)`` splits the current communicator
+(``matex.comm()``, of size D*P*T) in three ways. Rank order: tensor-parallel
+groups are consecutive ranks (innermost, they exchange the most), then
+pipeline stages, then data-parallel replicas (outermost):
+
+    world_rank = (data_rank * P + pipeline_rank) * T + tensor_rank
+
+While the grid is open, the *data* communicator (the ranks that hold the same
+pipeline stage and tensor shard) is installed as MaTEx's communicator, slot
+0: ``matex.comm()``, ``rank()``, ``size()``, every default collective, the
+gradient averaging of ``DistributedOptimizer``, ``fit``'s data sharding and
+exact metrics all work over the data dimension, unchanged. The pipeline and
+tensor communicators get slots of their own (``pipeline_slot``,
+``tensor_slot``) for the ops' ``comm`` argument, and so does a duplicate of
+the communicator the grid was cut from (``world_slot``). ``Grid.close()``
+(or leaving ``with grid(...)``) frees them and reinstalls that communicator.
+One grid at a time.
+"""
+
+from typing import Optional
+
+from mpi4py import MPI
+
+from matex import _runtime
+
+_active = None
+
+
+class Grid:
+    """This rank's place in a D x P x T grid and its three sub-communicators.
+
+    Attributes: ``data_size``, ``pipeline_size``, ``tensor_size``; this rank's
+    ``data_rank``, ``pipeline_rank``, ``tensor_rank`` and ``world_rank``;
+    mpi4py communicators ``data_comm``, ``pipeline_comm``, ``tensor_comm``,
+    ``world_comm``; the slots the ops name them by: ``data_slot`` (0),
+    ``pipeline_slot``, ``tensor_slot``, ``world_slot``.
+    """
+
+    def __init__(self, world, data: int, pipeline: int, tensor: int):
+        self.data_size, self.pipeline_size, self.tensor_size = data, pipeline, tensor
+        self.world_size = world.Get_size()
+        self.world_rank = w = world.Get_rank()
+        self.tensor_rank = w % tensor
+        self.pipeline_rank = (w // tensor) % pipeline
+        self.data_rank = w // (tensor * pipeline)
+        d, p, t = self.data_rank, self.pipeline_rank, self.tensor_rank
+        # A duplicate survives the replacement of the communicator it copies
+        # (``_set_comm`` frees the one MaTEx owned).
+        self.world_comm = world.Dup()
+        self.data_comm = world.Split(p * tensor + t, d)
+        self.pipeline_comm = world.Split(d * tensor + t, p)
+        self.tensor_comm = world.Split(d * pipeline + p, t)
+        self.data_slot = 0
+        self.pipeline_slot = _runtime.register_comm(self.pipeline_comm)
+        self.tensor_slot = _runtime.register_comm(self.tensor_comm)
+        self.world_slot = _runtime.register_comm(self.world_comm)
+        _runtime._set_comm(self.data_comm)   # MaTEx now owns (and will free) it
+        self._closed = False
+
+    def world_rank_of(self, data: Optional[int] = None, pipeline: Optional[int] = None,
+                      tensor: Optional[int] = None) -> int:
+        """World rank at the given coordinates (an omitted one: this rank's)."""
+        d = self.data_rank if data is None else data
+        p = self.pipeline_rank if pipeline is None else pipeline
+        t = self.tensor_rank if tensor is None else tensor
+        for name, v, n in (("data", d, self.data_size), ("pipeline", p, self.pipeline_size),
+                           ("tensor", t, self.tensor_size)):
+            if not 0 <= v < n:
+                raise ValueError("%s coordinate %d is outside [0, %d)" % (name, v, n))
+        return (d * self.pipeline_size + p) * self.tensor_size + t
+
+    def coordinates_of(self, world_rank: int):
+        """(data, pipeline, tensor) coordinates of ``world_rank``."""
+        if not 0 <= world_rank < self.world_size:
+            raise ValueError("rank %d is outside [0, %d)" % (world_rank, self.world_size))
+        t = world_rank % self.tensor_size
+        p = (world_rank // self.tensor_size) % self.pipeline_size
+        return world_rank // (self.tensor_size * self.pipeline_size), p, t
+
+    @property
+    def shape(self):
+        """(data_size, pipeline_size, tensor_size)."""
+        return self.data_size, self.pipeline_size, self.tensor_size
+
+    def close(self) -> None:
+        """Reinstall the communicator the grid was cut from and free the sub-communicators.
+
+        Collective over the grid's ranks. Idempotent.
+        """
+        global _active
+        if self._closed:
+            return
+        self._closed = True
+        for slot in (self.pipeline_slot, self.tensor_slot, self.world_slot):
+            _runtime.release_comm(slot)
+        _runtime._set_comm(self.world_comm)   # frees the data communicator
+        for c in (self.pipeline_comm, self.tensor_comm):
+            if c != MPI.COMM_NULL:
+                try:
+                    c.Free()
+                except MPI.Exception:
+                    pass   # left unusable by a failure: nothing to release
+        if _active is self:
+            _active = None
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+    def __repr__(self):
+        return ("Grid(data=%d, pipeline=%d, tensor=%d; this rank %d at (%d, %d, %d))"
+                % (self.data_size, self.pipeline_size, self.tensor_size, self.world_rank,
+                   self.data_rank, self.pipeline_rank, self.tensor_rank))
+
+
+def grid(data: Optional[int] = None, pipeline: int = 1, tensor: int = 1) -> Grid:
+    """Split ``matex.comm()`` into a ``data`` x ``pipeline`` x ``tensor`` grid (collective).
+
+    ``data`` defaults to size / (pipeline * tensor). Raises ValueError on
+    every rank when the sizes are not positive integers or their product is
+    not the number of ranks, RuntimeError when a grid is already open.
+    """
+    global _active
+    world = _runtime.comm()
+    size = world.Get_size()
+    for name, v in (("pipeline", pipeline), ("tensor", tensor)) + (
+            (("data", data),) if data is not None else ()):
+        if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+            raise ValueError("grid: %s must be a positive integer, not %r" % (name, v))
+    if data is None:
+        if size % (pipeline * tensor):
+            raise ValueError(
+                "grid: pipeline x tensor = %d x %d = %d does not divide the %d ranks of "
+                "the communicator" % (pipeline, tensor, pipeline * tensor, size))
+        data = size // (pipeline * tensor)
+    if data * pipeline * tensor != size:
+        raise ValueError(
+            "grid: data x pipeline x tensor = %d x %d x %d = %d, but the communicator "
+            "has %d ranks; the product must equal the number of ranks"
+            % (data, pipeline, tensor, data * pipeline * tensor, size))
+    if _active is not None:
+        raise RuntimeError("grid: a grid is already open (%r); close() it first" % _active)
+    _active = Grid(world, data, pipeline, tensor)
+    return _active
+
+
+def current() -> Optional[Grid]:
+    """The open grid, or None."""
+    return _active

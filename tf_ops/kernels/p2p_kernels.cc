@@ -1,0 +1,178 @@
+// The point-to-point ops (MatexSend, MatexRecv, MatexSendRecv): registration
+// and CPU kernels over the core's p2p.h. Gradients are registered in Python
+// (matex/parallel/_p2p.py). Every op is stateful, so TensorFlow never folds,
+// prunes or reorders one, and tf.function runs them in program order.
+//
+// Errors as for the collectives (see kernels.cc): a failed MPI call is
+// INTERNAL with the MPI error class as payload; a sender and a receiver that
+// disagree on dtype or shape both get INVALID_ARGUMENT ("matex.mismatch").
+#include "../core/p2p.h"
+#include "common.h"
+#include "tensorflow/core/framework/common_shape_fns.h"
+#include "tensorflow/core/framework/op.h"
+#include "tensorflow/core/framework/shape_inference.h"
+
+using tensorflow::shape_inference::InferenceContext;
+using tensorflow::shape_inference::ShapeHandle;
+
+#define MATEX_P2P_DTYPES "{half, bfloat16, float, double, int32, int64}"
+
+REGISTER_OP("MatexSend")
+    .Input("tensor: T")
+    .Output("token: T")
+    .Attr("T: " MATEX_P2P_DTYPES)
+    .Attr("dest: int")
+    .Attr("tag: int = 0")
+    .Attr("comm: int = 0")
+    .SetIsStateful()
+    .SetShapeFn([](InferenceContext* c) {
+      c->set_output(0, c->Scalar());
+      return absl::OkStatus();
+    })
+    .Doc("Sends `tensor` to rank `dest`; returns a zero scalar (the token backprop "
+         "attaches to: its gradient receives the gradient from `dest`).");
+
+REGISTER_OP("MatexRecv")
+    .Input("token: T")
+    .Input("shape: int64")
+    .Output("output: T")
+    .Attr("T: " MATEX_P2P_DTYPES)
+    .Attr("source: int")
+    .Attr("tag: int = 0")
+    .Attr("comm: int = 0")
+    .SetIsStateful()
+    .SetShapeFn([](InferenceContext* c) {
+      ShapeHandle out;
+      TF_RETURN_IF_ERROR(c->MakeShapeFromShapeTensor(1, &out));
+      c->set_output(0, out);
+      return absl::OkStatus();
+    })
+    .Doc("Receives a tensor of `shape` from rank `source`. `token` (a scalar) is "
+         "not read: it gives backprop a path to this op.");
+
+REGISTER_OP("MatexSendRecv")
+    .Input("tensor: T")
+    .Input("recv_shape: int64")
+    .Output("output: R")
+    .Attr("T: " MATEX_P2P_DTYPES)
+    .Attr("R: " MATEX_P2P_DTYPES)
+    .Attr("dest: int")
+    .Attr("source: int")
+    .Attr("tag: int = 0")
+    .Attr("comm: int = 0")
+    .SetIsStateful()
+    .SetShapeFn([](InferenceContext* c) {
+      ShapeHandle out;
+      TF_RETURN_IF_ERROR(c->MakeShapeFromShapeTensor(1, &out));
+      c->set_output(0, out);
+      return absl::OkStatus();
+    })
+    .Doc("Sends `tensor` to `dest` and receives a tensor of `recv_shape` from "
+         "`source`, overlapped.");
+
+namespace {
+
+using namespace matex_kernels;
+
+absl::Status ShapeFrom(const Tensor& t, TensorShape* shape, std::vector<int64_t>* dims) {
+  if (t.dims() != 1) {
+    return absl::InvalidArgumentError("matex recv: the shape must be a vector, got rank " +
+                                      std::to_string(t.dims()));
+  }
+  auto v = t.vec<int64_t>();
+  for (int64_t i = 0; i < v.size(); ++i) {
+    if (v(i) < 0) {
+      return absl::InvalidArgumentError("matex recv: negative dimension in the shape");
+    }
+    dims->push_back(v(i));
+  }
+  return TensorShape::BuildTensorShape(*dims, shape);
+}
+
+class SendOp : public OpKernel {
+ public:
+  explicit SendOp(OpKernelConstruction* c) : OpKernel(c) {
+    OP_REQUIRES_OK(c, c->GetAttr("dest", &dest_));
+    OP_REQUIRES_OK(c, c->GetAttr("tag", &tag_));
+    OP_REQUIRES_OK(c, c->GetAttr("comm", &comm_));
+  }
+  void Compute(OpKernelContext* ctx) override {
+    SiteScope site(*this);
+    const Tensor& in = ctx->input(0);
+    matex::DataType dtype;
+    OP_REQUIRES_OK(ctx, CoreType(in.dtype(), &dtype));
+    OP_REQUIRES_OK(ctx, ToTf(matex::Send(Ref(in), dtype, dest_, tag_, comm_), "matex send"));
+    Tensor* token = nullptr;
+    OP_REQUIRES_OK(ctx, ctx->allocate_output(0, TensorShape({}), &token));
+    std::memset(const_cast<char*>(token->tensor_data().data()), 0, token->tensor_data().size());
+  }
+
+ private:
+  int dest_, tag_, comm_;
+};
+
+class RecvOp : public OpKernel {
+ public:
+  explicit RecvOp(OpKernelConstruction* c) : OpKernel(c) {
+    OP_REQUIRES_OK(c, c->GetAttr("source", &source_));
+    OP_REQUIRES_OK(c, c->GetAttr("tag", &tag_));
+    OP_REQUIRES_OK(c, c->GetAttr("comm", &comm_));
+    OP_REQUIRES_OK(c, c->GetAttr("T", &dt_));
+  }
+  void Compute(OpKernelContext* ctx) override {
+    SiteScope site(*this);
+    TensorShape shape;
+    std::vector<int64_t> dims;
+    OP_REQUIRES_OK(ctx, ShapeFrom(ctx->input(1), &shape, &dims));
+    matex::DataType dtype;
+    OP_REQUIRES_OK(ctx, CoreType(dt_, &dtype));
+    Tensor* out = nullptr;
+    OP_REQUIRES_OK(ctx, ctx->allocate_output(0, shape, &out));
+    HugePagesFor(*out);
+    OP_REQUIRES_OK(ctx, ToTf(matex::Recv(Mutable(Ref(*out)), dims, dtype, source_, tag_, comm_),
+                             "matex recv"));
+  }
+
+ private:
+  int source_, tag_, comm_;
+  tensorflow::DataType dt_;
+};
+
+class SendRecvOp : public OpKernel {
+ public:
+  explicit SendRecvOp(OpKernelConstruction* c) : OpKernel(c) {
+    OP_REQUIRES_OK(c, c->GetAttr("dest", &dest_));
+    OP_REQUIRES_OK(c, c->GetAttr("source", &source_));
+    OP_REQUIRES_OK(c, c->GetAttr("tag", &tag_));
+    OP_REQUIRES_OK(c, c->GetAttr("comm", &comm_));
+    OP_REQUIRES_OK(c, c->GetAttr("R", &recv_dt_));
+  }
+  void Compute(OpKernelContext* ctx) override {
+    SiteScope site(*this);
+    const Tensor& in = ctx->input(0);
+    matex::DataType dtype, recv_dtype;
+    OP_REQUIRES_OK(ctx, CoreType(in.dtype(), &dtype));
+    OP_REQUIRES_OK(ctx, CoreType(recv_dt_, &recv_dtype));
+    TensorShape shape;
+    std::vector<int64_t> dims;
+    OP_REQUIRES_OK(ctx, ShapeFrom(ctx->input(1), &shape, &dims));
+    Tensor* out = nullptr;
+    OP_REQUIRES_OK(ctx, ctx->allocate_output(0, shape, &out));
+    HugePagesFor(*out);
+    OP_REQUIRES_OK(ctx, ToTf(matex::SendRecv(Ref(in), dtype, dest_, Mutable(Ref(*out)), dims,
+                                             recv_dtype, source_, tag_, comm_),
+                             "matex sendrecv"));
+  }
+
+ private:
+  int dest_, source_, tag_, comm_;
+  tensorflow::DataType recv_dt_;
+};
+
+using tensorflow::DEVICE_CPU;
+REGISTER_KERNEL_BUILDER(Name("MatexSend").Device(DEVICE_CPU), SendOp);
+REGISTER_KERNEL_BUILDER(Name("MatexRecv").Device(DEVICE_CPU).HostMemory("shape"), RecvOp);
+REGISTER_KERNEL_BUILDER(Name("MatexSendRecv").Device(DEVICE_CPU).HostMemory("recv_shape"),
+                        SendRecvOp);
+
+}  // namespace
