@@ -320,6 +320,9 @@ def loss_surface(model, data, directions="random", resolution=(51, 51), span=1.0
     from matex.hpo._groups import Groups
     from matex.hpo._service import Client, Server
 
+    # group g holds world ranks g*k .. g*k+k-1 (matex.hpo._groups); bad data fails here, early
+    share = _data.Share(data, world.Get_rank() % k, k, batch_size, whole_job=(k == size))
+
     # rank 0 opens (or resumes) the file; every rank gets the same verdict
     store, problem = None, None
     if world.Get_rank() == 0:
@@ -335,9 +338,7 @@ def loss_surface(model, data, directions="random", resolution=(51, 51), span=1.0
     group = world.Split(groups.index, groups.world_rank)
     slot = _runtime.register_comm(group)
     group_ctl = group.Dup()
-    objective = _objective.Objective(
-        model, _data.Share(data, group.Get_rank(), group.Get_size(), batch_size,
-                           whole_job=(k == size)), comm=slot)
+    objective = _objective.Objective(model, share, comm=slot)
     queue = server = None
     try:
         if world.Get_rank() == 0:

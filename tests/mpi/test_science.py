@@ -284,3 +284,25 @@ def test_trajectory_pca_surface_and_plot():
         png = science.plot_surface(path, shared_path("pca.png"))
         image = matplotlib.image.imread(png)
         assert image.shape[:2] == (320, 400) and image[..., :3].std() > 0.05
+
+
+def test_datasets_of_global_batches_and_of_shares():
+    import tensorflow as tf
+
+    model = linear_model()
+    dataset = tf.data.Dataset.from_tensor_slices((X, Y)).batch(20)
+    exact = np.sort(np.linalg.eigvalsh(linear_hessian(X)))[::-1]
+    np.testing.assert_allclose(science.hessian_eigenvalues(model, dataset, top_k=2), exact[:2],
+                               rtol=1e-6)
+    from_arrays = science.loss_surface(model, (X, Y), resolution=(3, 3), verbose=0)
+    from_dataset = science.loss_surface(model, dataset, resolution=(3, 3), verbose=0)
+    np.testing.assert_allclose(from_dataset, from_arrays, rtol=1e-12)
+    share = matex.shard(dataset)   # this rank's share already: only whole-job groups
+    np.testing.assert_allclose(science.hessian_eigenvalues(model, share, top_k=2), exact[:2],
+                               rtol=1e-6)
+    np.testing.assert_allclose(
+        science.loss_surface(model, share, resolution=(3, 3), ranks_per_point=matex.size(),
+                             verbose=0), from_arrays, rtol=1e-12)
+    if matex.size() > 1:
+        with pytest.raises(ValueError, match="already holds one rank's share"):
+            science.loss_surface(model, share, resolution=(3, 3), verbose=0)
