@@ -195,3 +195,45 @@ def monitor() -> bool:
 def monitor_interval() -> float:
     """``MATEX_MONITOR_INTERVAL``: seconds between the monitor's lines (default 10)."""
     return _number("MATEX_MONITOR_INTERVAL", 10.0, float, 0.001)
+
+
+# name -> what follows the colon: a ratio in (0, 1], a whole rank >= 1, or nothing
+_COMPRESSION_ARGS = {"none": None, "fp16": None, "bf16": None, "topk": "ratio",
+                     "randomk": "ratio", "powersgd": "rank"}
+
+
+def parse_compression(text: str, name: str = "MATEX_COMPRESSION"):
+    """``"topk:0.01"`` -> ``("topk", 0.01)``; ``"fp16"`` -> ``("fp16", None)``; "none"/"" -> None.
+
+    Known: none, fp16, bf16, topk:RATIO, randomk:RATIO (RATIO in (0, 1]), powersgd:RANK
+    (RANK >= 1). Anything else is a ValueError naming ``name``.
+    """
+    text = text.strip().lower()
+    if not text:
+        return None
+    kind, _, arg = text.partition(":")
+    if kind not in _COMPRESSION_ARGS:
+        raise ValueError("%s: unknown compression %r (known: none, fp16, bf16, topk:RATIO, "
+                         "randomk:RATIO, powersgd:RANK)" % (name, text))
+    wants = _COMPRESSION_ARGS[kind]
+    if wants is None:
+        if arg:
+            raise ValueError("%s: %r takes no argument, got %r" % (name, kind, text))
+        return None if kind == "none" else (kind, None)
+    try:
+        value = float(arg) if wants == "ratio" else int(arg)
+    except ValueError:
+        raise ValueError("%s: %s needs a %s after the colon, e.g. %s, not %r" % (
+            name, kind, "ratio in (0, 1]" if wants == "ratio" else "whole rank >= 1",
+            "topk:0.01" if wants == "ratio" else "powersgd:4", text)) from None
+    if wants == "ratio" and not 0 < value <= 1:
+        raise ValueError("%s: the %s ratio must be in (0, 1], not %s" % (name, kind, arg))
+    if wants == "rank" and value < 1:
+        raise ValueError("%s: the powersgd rank must be >= 1, not %s" % (name, arg))
+    return kind, value
+
+
+def compression():
+    """``MATEX_COMPRESSION``: the gradient compression ``DistributedOptimizer`` uses when none
+    is given (``matex.keras``, ``python -m matex``), as ``(kind, value)``, or None."""
+    return parse_compression(_get("MATEX_COMPRESSION"))
