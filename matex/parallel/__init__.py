@@ -14,6 +14,8 @@ __all__ = [
     "send", "recv", "sendrecv",
     "grid", "Grid",
     "PipelineModel", "StageBoundary",
+    "ColumnParallelDense", "RowParallelDense", "ParallelConv2D", "shard_layer",
+    "parameter_bytes",
 ]
 
 _LAZY = {
@@ -24,6 +26,11 @@ _LAZY = {
     "Grid": "matex.parallel._grid",
     "PipelineModel": "matex.parallel._pipeline",
     "StageBoundary": "matex.parallel._stages",
+    "ColumnParallelDense": "matex.parallel._tensor",
+    "RowParallelDense": "matex.parallel._tensor",
+    "ParallelConv2D": "matex.parallel._tensor",
+    "shard_layer": "matex.parallel._tensor",
+    "parameter_bytes": "matex.parallel._tensor",
 }
 
 

@@ -1,0 +1,357 @@
+"""Tensor (horizontal) model parallelism: a layer's weights split over the tensor group.
+
+The ``T`` ranks of a grid's tensor communicator (``grid(tensor=T)``) each
+hold 1/T of a layer's weights and all see the same input batch. As in
+Megatron-LM, two functions carry the communication:
+
+* ``copy_to_tensor_group`` ("f"): identity forward, allreduce-sum backward.
+  A replicated input feeding a split layer: each rank's input gradient covers
+  only its own shard, the sum over the group is the full gradient.
+* ``reduce_from_tensor_group`` ("g"): allreduce-sum forward, identity
+  backward. Partial products of a row-split layer summed into the full
+  output; its gradient is already replicated. (The allreduce op's registered
+  gradient would sum the replicated gradient again, T times too large: hence
+  ``tf.custom_gradient``.)
+
+``ColumnParallelDense`` splits the output features (each rank computes
+units/T columns; the output is gathered over the group or kept split for a
+following ``RowParallelDense``). ``RowParallelDense`` splits the input
+features and sums the partial products. A Column(gather_output=False) +
+Row(input_is_parallel=True) pair costs one allreduce forward and one
+backward. ``ParallelConv2D`` splits the output channels (channels-last).
+
+Initialisation: each rank draws the *full* kernel from the initializer and
+keeps its slice, so with a seeded initializer the layer's weights, put
+together, equal an unsharded layer's. Every layer's ``supports_jit`` is
+False (the ops have no XLA kernels).
+"""
+
+import keras
+import tensorflow as tf
+
+from matex import _collectives
+from matex.parallel import _grid
+
+
+def _tensor_group(grid):
+    """(slot, size, rank) of the tensor group of ``grid`` (default: the open grid)."""
+    grid = grid if grid is not None else _grid.current()
+    if grid is None:
+        raise ValueError("tensor-parallel layers need a grid: open one with "
+                         "matex.parallel.grid(tensor=T) or pass grid=")
+    return grid.tensor_slot, grid.tensor_size, grid.tensor_rank
+
+
+def copy_to_tensor_group(x, slot: int):
+    """Identity forward; the gradient is summed over the tensor group (Megatron's "f")."""
+    @tf.custom_gradient
+    def f(x):
+        def grad(dy):
+            return _collectives.allreduce(dy, op="sum", comm=slot)
+        return tf.identity(x), grad
+    return f(x)
+
+
+def reduce_from_tensor_group(x, slot: int):
+    """Sum over the tensor group forward; identity backward (Megatron's "g")."""
+    @tf.custom_gradient
+    def g(x):
+        def grad(dy):
+            return tf.identity(dy)
+        return _collectives.allreduce(x, op="sum", comm=slot), grad
+    return g(x)
+
+
+def gather_from_tensor_group(x, slot: int, size: int, rank: int):
+    """Concatenate the group's shards along the last axis; backward keeps this rank's slice."""
+    @tf.custom_gradient
+    def gather(x):
+        rank_ = len(x.shape)
+        perm = [rank_ - 1] + list(range(rank_ - 1))
+        back = list(range(1, rank_)) + [0]
+        y = tf.transpose(_collectives.allgather(tf.transpose(x, perm), comm=slot), back)
+        last = x.shape[-1]
+        y.set_shape(x.shape[:-1].concatenate([None if last is None else last * size]))
+        width = tf.shape(x)[-1]
+
+        def grad(dy):
+            # The layers after the gather run replicated: dy is the same on
+            # every rank, this rank's shard got exactly its slice of it.
+            return dy[..., rank * width:(rank + 1) * width]
+        return y, grad
+    return gather(x)
+
+
+def _pair(v):
+    return (int(v), int(v)) if isinstance(v, int) else tuple(int(a) for a in v)
+
+
+def _split(n, size, what, layer):
+    if n % size:
+        raise ValueError("%s: %s = %d is not divisible by the tensor-parallel size %d"
+                         % (layer, what, n, size))
+    return n // size
+
+
+class _TensorParallel(keras.layers.Layer):
+    """Shared by the tensor-parallel layers: the group, the sliced initialisation."""
+
+    def __init__(self, grid=None, **kwargs):
+        super().__init__(**kwargs)
+        self.supports_jit = False
+        self._slot, self.tensor_size, self.tensor_rank = _tensor_group(grid)
+
+    def _sliced(self, initializer, full_shape, axis):
+        """An initializer drawing the full ``full_shape`` tensor and keeping this rank's slice."""
+        def init(shape, dtype=None):
+            full = initializer(full_shape, dtype=dtype)
+            n = full_shape[axis] // self.tensor_size
+            begin = [0] * len(full_shape)
+            begin[axis] = self.tensor_rank * n
+            return tf.slice(tf.convert_to_tensor(full), begin, shape)
+        return init
+
+    def parameter_bytes(self) -> int:
+        """Bytes of this rank's shard of the layer's weights."""
+        return parameter_bytes(self)
+
+
+class ColumnParallelDense(_TensorParallel):
+    """Dense layer whose output features are split over the tensor group.
+
+    Each rank holds ``units / T`` columns of the kernel (and bias). The input
+    is replicated over the group. ``gather_output=True`` returns the full
+    output on every rank (an allgather); False returns this rank's
+    ``units / T`` features, for a following ``RowParallelDense``.
+    """
+
+    def __init__(self, units: int, activation=None, use_bias: bool = True,
+                 kernel_initializer="glorot_uniform", bias_initializer="zeros",
+                 gather_output: bool = True, grid=None, **kwargs):
+        super().__init__(grid=grid, **kwargs)
+        self.units = int(units)
+        self.local_units = _split(self.units, self.tensor_size, "units", type(self).__name__)
+        self.activation = keras.activations.get(activation)
+        self.use_bias = use_bias
+        self.kernel_initializer = keras.initializers.get(kernel_initializer)
+        self.bias_initializer = keras.initializers.get(bias_initializer)
+        self.gather_output = gather_output
+
+    def build(self, input_shape):
+        in_dim = int(input_shape[-1])
+        self.kernel = self.add_weight(
+            name="kernel", shape=(in_dim, self.local_units),
+            initializer=self._sliced(self.kernel_initializer, (in_dim, self.units), 1))
+        self.bias = self.add_weight(
+            name="bias", shape=(self.local_units,),
+            initializer=self._sliced(self.bias_initializer, (self.units,), 0)
+        ) if self.use_bias else None
+
+    def call(self, inputs):
+        x = copy_to_tensor_group(inputs, self._slot)
+        y = tf.matmul(x, self.kernel) if len(x.shape) == 2 else tf.tensordot(
+            x, self.kernel, axes=1)
+        if self.bias is not None:
+            y = y + self.bias
+        y = self.activation(y)
+        if self.gather_output:
+            y = gather_from_tensor_group(y, self._slot, self.tensor_size, self.tensor_rank)
+        return y
+
+    def compute_output_shape(self, input_shape):
+        return tuple(input_shape[:-1]) + (
+            self.units if self.gather_output else self.local_units,)
+
+    def get_config(self):
+        config = super().get_config()
+        config.update(units=self.units, activation=keras.activations.serialize(self.activation),
+                      use_bias=self.use_bias,
+                      kernel_initializer=keras.initializers.serialize(self.kernel_initializer),
+                      bias_initializer=keras.initializers.serialize(self.bias_initializer),
+                      gather_output=self.gather_output)
+        return config
+
+
+class RowParallelDense(_TensorParallel):
+    """Dense layer whose input features are split over the tensor group.
+
+    Each rank holds ``in_features / T`` rows of the kernel and computes a
+    partial product; one allreduce-sum over the group gives the full output
+    on every rank (the bias, replicated, is added after it).
+    ``input_is_parallel=True`` expects this rank's slice of the features (a
+    ``ColumnParallelDense(gather_output=False)`` output); False takes the full
+    input and slices it.
+    """
+
+    def __init__(self, units: int, activation=None, use_bias: bool = True,
+                 kernel_initializer="glorot_uniform", bias_initializer="zeros",
+                 input_is_parallel: bool = True, grid=None, **kwargs):
+        super().__init__(grid=grid, **kwargs)
+        self.units = int(units)
+        self.activation = keras.activations.get(activation)
+        self.use_bias = use_bias
+        self.kernel_initializer = keras.initializers.get(kernel_initializer)
+        self.bias_initializer = keras.initializers.get(bias_initializer)
+        self.input_is_parallel = input_is_parallel
+
+    def build(self, input_shape):
+        local = int(input_shape[-1])
+        if self.input_is_parallel:
+            in_dim = local * self.tensor_size
+        else:
+            in_dim = local
+            local = _split(in_dim, self.tensor_size, "the input features", type(self).__name__)
+        self.local_in = local
+        self.kernel = self.add_weight(
+            name="kernel", shape=(local, self.units),
+            initializer=self._sliced(self.kernel_initializer, (in_dim, self.units), 0))
+        self.bias = self.add_weight(name="bias", shape=(self.units,),
+                                    initializer=self.bias_initializer) if self.use_bias else None
+
+    def call(self, inputs):
+        x = inputs
+        if not self.input_is_parallel:
+            x = copy_to_tensor_group(x, self._slot)
+            x = x[..., self.tensor_rank * self.local_in:(self.tensor_rank + 1) * self.local_in]
+        y = tf.matmul(x, self.kernel) if len(x.shape) == 2 else tf.tensordot(
+            x, self.kernel, axes=1)
+        y = reduce_from_tensor_group(y, self._slot)
+        if self.bias is not None:
+            y = y + self.bias
+        return self.activation(y)
+
+    def compute_output_shape(self, input_shape):
+        return tuple(input_shape[:-1]) + (self.units,)
+
+    def get_config(self):
+        config = super().get_config()
+        config.update(units=self.units, activation=keras.activations.serialize(self.activation),
+                      use_bias=self.use_bias,
+                      kernel_initializer=keras.initializers.serialize(self.kernel_initializer),
+                      bias_initializer=keras.initializers.serialize(self.bias_initializer),
+                      input_is_parallel=self.input_is_parallel)
+        return config
+
+
+class ParallelConv2D(_TensorParallel):
+    """Conv2D (channels-last) whose output channels are split over the tensor group.
+
+    Each rank holds ``filters / T`` filters. ``gather_output=True`` returns all
+    channels on every rank (an allgather along channels); False returns this
+    rank's ``filters / T`` channels.
+    """
+
+    def __init__(self, filters: int, kernel_size, strides=(1, 1), padding: str = "valid",
+                 dilation_rate=(1, 1), activation=None, use_bias: bool = True,
+                 kernel_initializer="glorot_uniform", bias_initializer="zeros",
+                 gather_output: bool = True, grid=None, **kwargs):
+        super().__init__(grid=grid, **kwargs)
+        self.filters = int(filters)
+        self.local_filters = _split(self.filters, self.tensor_size, "filters",
+                                    type(self).__name__)
+        self.kernel_size, self.strides = _pair(kernel_size), _pair(strides)
+        self.dilation_rate = _pair(dilation_rate)
+        self.padding = padding.lower()
+        if self.padding not in ("valid", "same"):
+            raise ValueError("ParallelConv2D: padding must be 'valid' or 'same', not %r"
+                             % padding)
+        self.activation = keras.activations.get(activation)
+        self.use_bias = use_bias
+        self.kernel_initializer = keras.initializers.get(kernel_initializer)
+        self.bias_initializer = keras.initializers.get(bias_initializer)
+        self.gather_output = gather_output
+
+    def build(self, input_shape):
+        cin = int(input_shape[-1])
+        full = self.kernel_size + (cin, self.filters)
+        self.kernel = self.add_weight(
+            name="kernel", shape=self.kernel_size + (cin, self.local_filters),
+            initializer=self._sliced(self.kernel_initializer, full, 3))
+        self.bias = self.add_weight(
+            name="bias", shape=(self.local_filters,),
+            initializer=self._sliced(self.bias_initializer, (self.filters,), 0)
+        ) if self.use_bias else None
+
+    def call(self, inputs):
+        x = copy_to_tensor_group(inputs, self._slot)
+        y = tf.nn.conv2d(x, self.kernel, strides=self.strides, padding=self.padding.upper(),
+                         dilations=self.dilation_rate)
+        if self.bias is not None:
+            y = y + self.bias
+        y = self.activation(y)
+        if self.gather_output:
+            y = gather_from_tensor_group(y, self._slot, self.tensor_size, self.tensor_rank)
+        return y
+
+    def get_config(self):
+        config = super().get_config()
+        config.update(filters=self.filters, kernel_size=self.kernel_size, strides=self.strides,
+                      padding=self.padding, dilation_rate=self.dilation_rate,
+                      activation=keras.activations.serialize(self.activation),
+                      use_bias=self.use_bias,
+                      kernel_initializer=keras.initializers.serialize(self.kernel_initializer),
+                      bias_initializer=keras.initializers.serialize(self.bias_initializer),
+                      gather_output=self.gather_output)
+        return config
+
+
+def shard_layer(layer, grid=None, kind: str = "column", gather_output: bool = True,
+                input_is_parallel: bool = False):
+    """A tensor-parallel copy of a built ``keras.layers.Dense`` or ``Conv2D``.
+
+    ``kind="column"`` splits the output features (Dense) or filters (Conv2D);
+    ``kind="row"`` splits a Dense's input features. Each rank's copy holds its
+    slice of ``layer``'s current weights. ``gather_output`` and
+    ``input_is_parallel`` are passed to the column and row layers.
+    """
+    if kind not in ("column", "row"):
+        raise ValueError("shard_layer: kind must be 'column' or 'row', not %r" % (kind,))
+    if not layer.built:
+        raise ValueError("shard_layer: %s is not built (call it on an input or build() it "
+                         "first, so its weights exist)" % layer.name)
+    slot, size, rank = _tensor_group(grid)
+    config = layer.get_config()
+    common = dict(activation=config["activation"], use_bias=config["use_bias"], grid=grid,
+                  name=layer.name + "_tp", dtype=layer.dtype_policy)
+    kernel = tf.convert_to_tensor(layer.kernel)
+    bias = tf.convert_to_tensor(layer.bias) if config["use_bias"] else None
+    if isinstance(layer, keras.layers.Conv2D):
+        if kind != "column":
+            raise ValueError("shard_layer: a Conv2D can only be split over its output "
+                             "channels (kind='column')")
+        if config.get("data_format", "channels_last") != "channels_last" or config.get(
+                "groups", 1) != 1:
+            raise ValueError("shard_layer: only channels_last Conv2D without groups")
+        new = ParallelConv2D(config["filters"], config["kernel_size"], config["strides"],
+                             config["padding"], config["dilation_rate"],
+                             gather_output=gather_output, **common)
+        n = new.local_filters
+        new.build((None, None, None, int(kernel.shape[2])))
+        new.kernel.assign(kernel[..., rank * n:(rank + 1) * n])
+        if bias is not None:
+            new.bias.assign(bias[rank * n:(rank + 1) * n])
+        return new
+    if not isinstance(layer, keras.layers.Dense):
+        raise TypeError("shard_layer: expected a keras.layers.Dense or Conv2D, got %s"
+                        % type(layer).__name__)
+    in_dim = int(kernel.shape[0])
+    if kind == "column":
+        new = ColumnParallelDense(config["units"], gather_output=gather_output, **common)
+        n = new.local_units
+        new.build((None, in_dim))
+        new.kernel.assign(kernel[:, rank * n:(rank + 1) * n])
+        if bias is not None:
+            new.bias.assign(bias[rank * n:(rank + 1) * n])
+        return new
+    new = RowParallelDense(config["units"], input_is_parallel=input_is_parallel, **common)
+    n = _split(in_dim, size, "the input features", "RowParallelDense")
+    new.build((None, n if input_is_parallel else in_dim))
+    new.kernel.assign(kernel[rank * n:(rank + 1) * n])
+    if bias is not None:
+        new.bias.assign(bias)
+    return new
+
+
+def parameter_bytes(model) -> int:
+    """Bytes of the weights this rank holds (a tensor-parallel layer: its shard)."""
+    return sum(int(tf.size(w)) * tf.as_dtype(w.dtype).size for w in model.weights)
