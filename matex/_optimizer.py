@@ -20,7 +20,9 @@ import threading
 
 import tensorflow as tf
 
-from matex import _collectives, _compat, _faults, _fusion
+from matex import _collectives, _compat, _faults
+from matex.compression import _base as _compression
+from matex.compression import _reduce
 
 _classes = {}
 _classes_lock = threading.Lock()
@@ -65,9 +67,11 @@ class _DistributedMixin:
         with tf.control_dependencies(gates):
             names = _variable_names(trainable_variables, len(grads))
             if state.rows is not None and state.op == "average":
-                grads = _weighted_average(grads, state.rows, state.threshold, names)
+                grads = _weighted_average(grads, state.rows, state.threshold, names,
+                                          trainable_variables, state.compression)
             else:
-                grads = _fusion.allreduce_gradients(grads, state.op, state.threshold, names)
+                grads = _reduce.reduce_gradients(grads, trainable_variables, state.compression,
+                                                 state.op, state.threshold, names)
         if tf.executing_eagerly():
             return super().apply(grads, trainable_variables)
         # All-or-nothing update: no variable changes before every reduction
@@ -123,14 +127,13 @@ def _variable_names(variables, count):
     return [getattr(v, "path", None) or getattr(v, "name", None) for v in variables]
 
 
-def _weighted_average(grads, rows, threshold, names=None):
+def _weighted_average(grads, rows, threshold, names=None, variables=None, compression=None):
     """Sum over ranks of grad_r * rows_r / total rows: the global-batch gradient."""
     rows = tf.cast(rows, tf.float64)
     total = _collectives.allreduce(rows, "sum")
     weight = tf.math.divide_no_nan(rows, total)
-    scaled = [None if g is None else tf.convert_to_tensor(g) * tf.cast(weight, g.dtype)
-              for g in grads]
-    return _fusion.allreduce_gradients(scaled, "sum", threshold, names)
+    return _reduce.reduce_gradients(grads, variables, compression, "sum", threshold, names,
+                                    weight=weight)
 
 
 class rows_of_step:
@@ -204,7 +207,7 @@ def is_reduced_by_wrapper(optimizer):
     return getattr(optimizer, "_matex_reduced_by_wrapper", False)
 
 
-def DistributedOptimizer(optimizer, op="average", fusion_threshold=None):
+def DistributedOptimizer(optimizer, op="average", fusion_threshold=None, compression=None):
     """Make a Keras 3 optimizer average gradients over all ranks before updating.
 
     Args:
@@ -215,6 +218,11 @@ def DistributedOptimizer(optimizer, op="average", fusion_threshold=None):
       fusion_threshold: bucket size in bytes for fusing small gradients into
         one allreduce; default ``MATEX_FUSION_THRESHOLD`` or 16 MiB; 0 sends
         each gradient alone.
+      compression: fewer bytes per step: a ``matex.compression`` compressor
+        (``FP16``, ``BF16``, ``TopK(0.01)``, ``RandomK(0.01)``,
+        ``PowerSGD(4)``), its text ("topk:0.01"), or "none"; default
+        ``MATEX_COMPRESSION`` (unset: none). ``tf.IndexedSlices`` gradients
+        (embeddings) always go through ``matex.sparse_allreduce``.
     Returns:
       The distributed optimizer; use it exactly like the original, with
       ``model.compile``/``fit`` or ``apply_gradients``/``apply``.
@@ -233,11 +241,16 @@ def DistributedOptimizer(optimizer, op="average", fusion_threshold=None):
         optimizer = optimizer()
     if not isinstance(optimizer, keras.optimizers.Optimizer):
         raise TypeError("DistributedOptimizer needs a Keras 3 optimizer, got %r" % (optimizer,))
+    compressor = (_compression.from_environment() if compression is None
+                  else _compression.from_spec(compression))
     if is_distributed(optimizer):
+        if compression is not None:
+            optimizer._matex.compression = compressor
         return optimizer
     _patch_keras_trainer()
     optimizer.__class__ = _distributed_class(type(optimizer))
     object.__setattr__(optimizer, "_matex", _State(op, fusion_threshold))
+    optimizer._matex.compression = compressor
     inner = getattr(optimizer, "inner_optimizer", None)   # LossScaleOptimizer
     if inner is not None:
         object.__setattr__(inner, "_matex_reduced_by_wrapper", True)

@@ -2,7 +2,8 @@
 
 import tensorflow as tf
 
-from matex import _fusion
+from matex.compression import _base as _compression
+from matex.compression import _reduce
 
 _classes = {}
 
@@ -13,12 +14,14 @@ class _DistributedTapeMixin:
         grads = super().gradient(target, sources, output_gradients=output_gradients,
                                  unconnected_gradients=unconnected_gradients)
         flat = tf.nest.flatten(grads, expand_composites=False)
-        op, threshold = self._matex_settings
-        reduced = _fusion.allreduce_gradients(flat, op, threshold)
+        op, threshold, compressor = self._matex_settings
+        variables = tf.nest.flatten(sources, expand_composites=False)
+        reduced = _reduce.reduce_gradients(
+            flat, variables if len(variables) == len(flat) else None, compressor, op, threshold)
         return tf.nest.pack_sequence_as(grads, reduced)
 
 
-def DistributedGradientTape(tape, op="average", fusion_threshold=None):
+def DistributedGradientTape(tape, op="average", fusion_threshold=None, compression=None):
     """Make ``tape.gradient`` return gradients reduced over all ranks.
 
     Args:
@@ -26,6 +29,9 @@ def DistributedGradientTape(tape, op="average", fusion_threshold=None):
       op: "average" (default) or "sum".
       fusion_threshold: bucket size in bytes for fusing small gradients
         (default ``MATEX_FUSION_THRESHOLD`` or 16 MiB; 0 disables fusion).
+      compression: a ``matex.compression`` compressor or its text, as for
+        ``DistributedOptimizer`` (default ``MATEX_COMPRESSION``). Keep the
+        compressor object across steps (it holds the error-feedback residuals).
 
     Example:
       >>> with tf.GradientTape() as tape:
@@ -44,5 +50,7 @@ def DistributedGradientTape(tape, op="average", fusion_threshold=None):
         if cls not in _classes:
             _classes[cls] = type(cls.__name__, (_DistributedTapeMixin, cls), {})
         tape.__class__ = _classes[cls]
-    tape._matex_settings = (op, fusion_threshold)
+    compressor = (_compression.from_environment() if compression is None
+                  else _compression.from_spec(compression))
+    tape._matex_settings = (op, fusion_threshold, compressor)
     return tape

@@ -1,0 +1,152 @@
+"""The compressor interface, the per-variable policy and the error-feedback memory.
+
+A compressor reduces a group of dense gradients over ranks in fewer bytes
+than the dense allreduce. ``reduce(items, op, threshold)`` returns, for each
+item, the reduced gradient every rank applies (bitwise equal on all ranks:
+only values that came out of a collective, or were computed identically from
+them, make it up) and the bytes this rank handed to MPI for it. Which
+gradients a compressor takes is ``selects``: by default matrices of at least
+``min_size`` elements; biases, norms and small tensors stay on the dense
+fused allreduce.
+
+Error feedback (Karimireddy et al. 2019): what a rank did not send this step
+(its residual) is added to its next gradient, so nothing is lost for good.
+Residuals differ per rank, which is fine: the update applied is the same.
+"""
+
+import tensorflow as tf
+
+from matex import _config
+
+DEFAULT_MIN_SIZE = 1024   # elements: below this a tensor stays dense (latency, not bytes)
+
+
+class Item:
+    """One gradient to reduce: the tensor, its variable (or None) and a name."""
+
+    def __init__(self, grad, variable, name):
+        self.grad = grad
+        self.variable = variable
+        self.name = name
+
+    @property
+    def size(self):
+        return self.grad.shape.num_elements()
+
+
+def check_float(item, what):
+    """A clear TypeError for an integer gradient given to a float compressor."""
+    if not item.grad.dtype.is_floating:
+        raise TypeError("%s compresses float gradients; %s has a %s gradient (leave it out "
+                        "with a larger min_size, or use no compression)"
+                        % (what, item.name, item.grad.dtype.name))
+
+
+def check_ratio(ratio, what):
+    if isinstance(ratio, bool) or not isinstance(ratio, (int, float)):
+        raise TypeError("%s ratio must be a number in (0, 1], not %r" % (what, ratio))
+    if not 0 < ratio <= 1:
+        raise ValueError("%s ratio must be in (0, 1], not %r" % (what, ratio))
+    return float(ratio)
+
+
+def _state_variable(initial, name):
+    """A non-trainable tf.Variable made outside any trace (like an optimizer slot)."""
+    with tf.init_scope():
+        return tf.Variable(initial, trainable=False, name=name)
+
+
+class ErrorFeedback:
+    """Per-variable residuals of one compressor (zeros until first written)."""
+
+    def __init__(self):
+        self._residuals = {}   # state_key -> (variable or None, tf.Variable)
+
+    def residual(self, item):
+        key, owner = state_key(item)
+        entry = self._residuals.get(key)
+        if entry is None or entry[0] is not owner:
+            shape, dtype = item.grad.shape, item.grad.dtype
+            entry = (owner, _state_variable(tf.zeros(shape, dtype), "matex_residual"))
+            self._residuals[key] = entry
+        return entry[1]
+
+
+def state_key(item):
+    """(dict key, object that must stay the same) for per-variable state: the variable
+    itself when known, else the gradient's name."""
+    if item.variable is not None:
+        return id(item.variable), item.variable
+    return "name:" + item.name, None
+
+
+class Compressor:
+    """Base class: policy (which gradients), a step counter, and the interface."""
+
+    name = "compressor"
+
+    def __init__(self, min_size=DEFAULT_MIN_SIZE):
+        if isinstance(min_size, bool) or not isinstance(min_size, int) or min_size < 0:
+            raise ValueError("min_size must be a whole number >= 0, not %r" % (min_size,))
+        self.min_size = min_size
+        self._step = None
+
+    def selects(self, item) -> bool:
+        """Whether this compressor takes ``item`` (else it goes dense and fused)."""
+        size = item.size
+        return size is not None and size >= self.min_size and item.grad.shape.rank >= 2
+
+    def step(self):
+        """This call's step number (same on every rank); the counter then advances."""
+        if self._step is None:
+            self._step = _state_variable(tf.constant(0, tf.int64), "matex_compression_step")
+        return self._step.assign_add(1) - 1
+
+    def reduce(self, items, op, threshold):
+        """``(reduced gradients, bytes sent per item)`` for ``items`` (all selected)."""
+        raise NotImplementedError
+
+    def __repr__(self):
+        return "%s(min_size=%d)" % (type(self).__name__, self.min_size)
+
+
+def from_spec(spec):
+    """A compressor from text such as "fp16", "bf16", "topk:0.01", "randomk:0.01",
+    "powersgd:4", "none"; a Compressor is returned as is; None/"none" give None."""
+    if spec is None or isinstance(spec, Compressor):
+        return spec
+    if not isinstance(spec, str):
+        raise TypeError("compression must be a matex.compression compressor, a string such "
+                        "as 'topk:0.01', or None, not %r" % (spec,))
+    parsed = _config.parse_compression(spec, "compression")
+    return None if parsed is None else build(*parsed)
+
+
+_built = {}   # (kind, value) -> compressor: one per text, so its residuals outlive a tape
+
+
+def build(kind, value):
+    """The compressor ``_config.parse_compression`` described (the same object per text)."""
+    if (kind, value) not in _built:
+        _built[kind, value] = _make(kind, value)
+    return _built[kind, value]
+
+
+def _make(kind, value):
+    from matex.compression import _cast, _powersgd, _randomk, _topk
+
+    if kind == "fp16":
+        return _cast.FP16
+    if kind == "bf16":
+        return _cast.BF16
+    if kind == "topk":
+        return _topk.TopK(value)
+    if kind == "randomk":
+        return _randomk.RandomK(value)
+    return _powersgd.PowerSGD(int(value))
+
+
+def from_environment():
+    """The compressor ``MATEX_COMPRESSION`` asks for, or None."""
+    parsed = _config.compression()
+    return None if parsed is None else build(*parsed)
