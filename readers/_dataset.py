@@ -9,7 +9,7 @@ from concurrent.futures import ThreadPoolExecutor
 import numpy as np
 
 import matex
-from matex import _config, _runtime
+from matex import _config, _runtime, timeline
 
 from . import _gather, _partition
 from ._errors import ReaderError, agreed
@@ -311,11 +311,12 @@ class DataSet:
                       self._pool.submit, self._depth)
 
     def _train_plan(self, epoch):
-        order = _partition.epoch_order(*self._train_pieces, self.seed, epoch, self.shuffle,
-                                      self._reader.by_row)
-        return _partition.EpochPlan(order, matex.size(), self.per_rank_batch_size,
-                                   window=self._window if self.shuffle else None,
-                                   key=(self.seed, epoch))
+        with timeline.span("shuffle", epoch=int(epoch)):
+            order = _partition.epoch_order(*self._train_pieces, self.seed, epoch, self.shuffle,
+                                          self._reader.by_row)
+            return _partition.EpochPlan(order, matex.size(), self.per_rank_batch_size,
+                                       window=self._window if self.shuffle else None,
+                                       key=(self.seed, epoch))
 
     def _validation_plan(self):
         return _partition.EpochPlan(_partition.rows_of(*self._validation_pieces), matex.size(),

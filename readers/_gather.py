@@ -17,6 +17,8 @@ import threading
 
 import numpy as np
 
+from matex import timeline
+
 from ._errors import ReaderError
 from ._mapped import MappedColumn
 from ._table import ColumnTable
@@ -134,6 +136,10 @@ class Gatherer:
         except KeyError:
             raise ReaderError("DataSet: an iterator of an earlier epoch was used after %d newer "
                               "ones started" % _PLANS_KEPT) from None
+        with timeline.span("read", rows=len(rows)):
+            return self._gather(rows, count)
+
+    def _gather(self, rows, count):
         lead = (len(rows),) if self.group == 1 else (count, len(rows) // count)
         if any(view is None for view in self._views):
             order = np.argsort(rows, kind="stable")

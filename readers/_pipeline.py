@@ -12,6 +12,8 @@ from collections import deque
 
 import numpy as np
 
+from matex import timeline
+
 from ._reader import SlabFull
 
 _THROUGH = object()     # token of a group read bypassing the unit cache
@@ -35,8 +37,10 @@ def stream(reader, groups, make, submit, depth):
     held = None
 
     def job(rows, order, count, token):
-        fields = reader.read(rows) if token is not _THROUGH else reader.read_through(rows)
-        return make(fields, order, count)
+        with timeline.span("read", rows=len(rows)):
+            fields = reader.read(rows) if token is not _THROUGH else reader.read_through(rows)
+        with timeline.span("decode", rows=len(rows)):
+            return make(fields, order, count)
 
     def fill():
         nonlocal held

@@ -87,8 +87,16 @@ def _check_traces(directory, nranks):
 
 
 def test_timeline_and_monitor_through_matexrun(tmp_path):
+    import h5py
+    import numpy as np
+
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(16 * STEPS, 8)).astype("float32")
+    with h5py.File(tmp_path / "rows.h5", "w") as f:   # read by matex.readers in the run
+        f["x"] = x
+        f["y"] = (x[:, :4].sum(1) > 0).astype("int64")
     proc = _matexrun(tmp_path, "--timeline", "tl", "--monitor",
-                     env={"MATEX_MONITOR_INTERVAL": "0.2"})
+                     env={"MATEX_MONITOR_INTERVAL": "0.2", "TEST_H5": str(tmp_path / "rows.h5")})
     assert proc.returncode == 0, proc.stderr[-4000:]
     merged = _check_traces(tmp_path / "tl", 2)
     rank0 = [e for e in merged if e["pid"] == 0]
@@ -101,6 +109,12 @@ def test_timeline_and_monitor_through_matexrun(tmp_path):
         assert len(mine) == 3
         assert abs(mine[0]["ts"] - step["ts"]) < 0.01
         assert abs(mine[2]["ts"] + mine[2]["dur"] - step["ts"] - step["dur"]) < 0.01
+    # reader work: an epoch's shuffle each, and reads of exactly this rank's rows
+    reader = _spans(rank0, "reader")
+    assert {e["tid"] for e in reader} == {3}
+    assert sum(e["name"] == "shuffle" for e in reader) >= 2
+    reads = [e for e in reader if e["name"] == "read"]
+    assert sum(e["args"]["rows"] for e in reads) == 2 * STEPS * 8, reads[:3]
     buckets = [e for e in _spans(rank0, "collective") if "tensors" in e["args"]]
     grads = [b for b in buckets if b["args"]["num_tensors"] == 4]
     assert len(grads) == 2 * STEPS, len(grads)   # one gradient bucket per step

@@ -11,17 +11,20 @@ chrome://tracing or https://ui.perfetto.dev.
 
 What it shows per collective: the wait for the slowest rank, the agreement
 check, the transfer and the bytes (plus the tensors of a fused bucket); per
-``fit`` step: forward+backward, allreduce and apply. Reader time is not
-recorded. When no timeline is asked for, nothing of this runs.
+``fit`` step: forward+backward, allreduce and apply; per batch the readers
+make: shuffle, read and decode (``span``). When no timeline is asked for,
+nothing of this runs.
 """
 
 import atexit
+import contextlib
 import threading
+import time
 
 from matex import _config
 from matex.timeline._writer import TimelineError, Writer, check_writable, filename
 
-__all__ = ["start", "stop", "active", "TimelineError", "check_writable", "filename"]
+__all__ = ["start", "stop", "active", "span", "TimelineError", "check_writable", "filename"]
 
 _writer = None
 _lock = threading.Lock()
@@ -106,6 +109,39 @@ def active() -> bool:
 def writer():
     """The running writer, or None (used by the timeline callback)."""
     return _writer
+
+
+_OFF = contextlib.nullcontext()
+
+
+class _Span:
+    __slots__ = ("writer", "tid", "name", "args", "t0")
+
+    def __init__(self, writer, tid, name, args):
+        self.writer, self.tid, self.name, self.args = writer, tid, name, args
+
+    def __enter__(self):
+        self.t0 = time.time()
+        return self
+
+    def __exit__(self, *exc):
+        self.writer.record(self.tid, self.name, self.t0, time.time(), self.args or None,
+                           cat="reader")
+        return False
+
+
+def span(name: str, **args):
+    """``with matex.timeline.span("read", rows=256): ...`` records that block on the reader row.
+
+    Any thread may use it (the readers' worker threads do). When no timeline
+    is being written it returns a shared no-op context: one global read.
+    """
+    w = _writer
+    if w is None:
+        return _OFF
+    from matex.timeline._writer import READER_TID
+
+    return _Span(w, READER_TID, name, args)
 
 
 def autostart() -> None:

@@ -23,6 +23,12 @@ counted from rank 0's time at start):
   (step start to its first gradient collective), "allreduce" (first
   gradient collective's start to the last one's end; backprop of earlier
   layers overlaps it) and "apply" (the rest: update, metrics).
+* tid 3 "reader": what ``matex.readers`` spent producing batches, from the
+  thread that did it: "shuffle" (an epoch's permutation and plan), "read"
+  (rows from the file: a gather from the mapped file, or a read of the
+  rows' chunks) and "decode" (rows to batch arrays: parsing, stacking).
+  Readers prefetch, so these overlap the steps they feed. With sampling,
+  only reader work done while the sampled steps run is kept.
 """
 
 import json
@@ -34,7 +40,7 @@ from pathlib import Path
 FORMAT = "matex-timeline/1"
 POLL_S = 0.25      # how often the writer looks at the sequence number (one atomic read)
 MAX_WAIT_S = 2.0   # longest wait before what has finished is written
-COLLECTIVES_TID, STEPS_TID = 1, 2
+COLLECTIVES_TID, STEPS_TID, READER_TID = 1, 2, 3
 GRADIENT_KINDS = (1, 2)   # allreduce, fused allreduce
 
 
@@ -66,6 +72,8 @@ class Writer(threading.Thread):
         self.dropped = 0        # collectives the ring overwrote before this thread read them
         self.written = 0
         self.cpu_s = 0.0        # CPU time this writer spent draining (its cost to training)
+        self.started = steps is None   # the sampled steps have begun
+        self.spans = []         # (tid, name, t0, t1, args, cat) from other threads (reader work)
         self._halt = threading.Event()
         self._lock = threading.Lock()
 
@@ -77,6 +85,7 @@ class Writer(threading.Thread):
 
     def step_begin(self, step: int) -> None:
         if self.wants(step):
+            self.started = True
             self.open_step = (step, time.time(), self.core.flight_sequence())
         elif self.steps is not None and step > self.steps[1]:
             self.finished = True
@@ -88,6 +97,13 @@ class Writer(threading.Thread):
             with self._lock:
                 self.windows.append(opened[:2] + (time.time(), opened[2],
                                                   self.core.flight_sequence()))
+
+    def record(self, tid: int, name: str, t0: float, t1: float, args=None, cat="matex") -> None:
+        """Keep a span some thread measured (any thread); written at the next drain."""
+        if not self.started or self.finished:
+            return   # outside the sampled steps
+        with self._lock:
+            self.spans.append((tid, name, t0, t1, args, cat))
 
     # ---- writer thread ------------------------------------------------------------
 
@@ -103,6 +119,7 @@ class Writer(threading.Thread):
                    {"name": "thread_name", "tid": COLLECTIVES_TID,
                     "args": {"name": "collectives"}},
                    {"name": "thread_name", "tid": STEPS_TID, "args": {"name": "steps"}},
+                   {"name": "thread_name", "tid": READER_TID, "args": {"name": "reader"}},
                    {"name": "matex_timeline", "args": meta}):
             self._emit(dict({"ph": "M", "pid": self.rank, "tid": 0}, **ev))
         self.file.flush()
@@ -157,7 +174,10 @@ class Writer(threading.Thread):
     def _drain(self, final: bool) -> None:
         with self._lock:
             windows, self.windows = self.windows, []
+            spans, self.spans = self.spans, []
             opened = self.open_step
+        for tid, name, t0, t1, args, cat in spans:
+            self._span(tid, name, t0, t1, args, cat=cat)
         sampling = self.steps is not None
         if sampling:
             horizon = max([w[4] for w in windows] + [opened[2] if opened else 0])

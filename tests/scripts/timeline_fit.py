@@ -5,7 +5,8 @@ Usage: timeline_fit.py OUT STEPS [api]
 Trains STEPS steps in 2 epochs on 2 dense layers (4 variables, one fused
 bucket), then writes OUT.<rank>.json: the History and the optimizer's step
 count. "api": starts and stops the timeline with ``matex.timeline.start``
-and ``stop`` (directory OUT.timeline) instead of the environment.
+and ``stop`` (directory OUT.timeline) instead of the environment. With
+TEST_H5 set, the rows come from that HDF5 file through ``matex.readers``.
 """
 
 import json
@@ -30,7 +31,14 @@ if api:
     from matex import timeline
 
     timeline.start(out + ".timeline", steps=os.environ.get("TEST_STEPS") or None)
-history = model.fit(x, y, batch_size=batch, epochs=2, verbose=0)
+if os.environ.get("TEST_H5"):   # the same rows through matex.readers (global batch 16)
+    from matex.readers import DataSet
+
+    data = DataSet(os.environ["TEST_H5"], features="x", labels="y", batch_size=batch,
+                   shuffle=True, seed=0)
+    history = model.fit(data.train, epochs=2, verbose=0)
+else:
+    history = model.fit(x, y, batch_size=batch, epochs=2, verbose=0)
 if api:
     timeline.stop()
 rank = int(os.environ.get("OMPI_COMM_WORLD_RANK", "0"))
