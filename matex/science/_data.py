@@ -64,8 +64,7 @@ class Share:
                 self.dataset = data
             else:
                 self.dataset = data.map(
-                    lambda *b: _slice(b if len(b) > 1 else b[0], rank, size),
-                    deterministic=True)
+                    lambda *b: _slice(b if len(b) > 1 else b[0], rank, size))
             self.local_rows = None
             return
         x, y, sw = unpack(data)

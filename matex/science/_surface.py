@@ -17,8 +17,13 @@ same ``path`` and the same settings computes only the points still NaN, one
 with different settings is refused. ``max_points`` stops a run after that many
 new points (a time-sliced job; also how the tests interrupt one).
 
-Not done: recovery from a rank failure (ULFM) during a surface; a lost rank
-ends the run with an error, and a rerun resumes from the file.
+Under ULFM (``mpiexec --with-ft ulfm`` / ``matexrun --ft``) with
+``ranks_per_point=1``, a rank that dies is noticed by the queue's server
+(its probe from any source fails), the point it held goes back in the queue
+for the others, and the survivors end on a shrunk communicator (which is
+MaTEx's communicator afterwards). Not handled: a failure inside a group of
+several ranks (its allreduce fails: the run ends with the error) or of rank
+0, the queue's server and writer; a rerun with the same ``path`` resumes.
 """
 
 from __future__ import annotations
@@ -220,6 +225,8 @@ class _Queue:
                                                                        len(self.pending))
         self.handed = self.done = 0
         self.finished = set()
+        self.assigned = {}   # group -> the point it computes now
+        self.lost = set()    # groups with a failed rank (ULFM)
         self.error = None
         self.lock = threading.Lock()
         self.start = self.last_report = time.monotonic()
@@ -229,9 +236,11 @@ class _Queue:
             if op == "fail":
                 group, message = args
                 self.error = self.error or message
+                self.assigned.pop(group, None)
                 self.finished.add(group)
                 return None
             group, result = args
+            self.assigned.pop(group, None)
             if result is not None:
                 self.store.put(*result)
                 self.done += 1
@@ -240,11 +249,27 @@ class _Queue:
                 self.finished.add(group)
                 return ("error", self.error)
             if not self.pending or self.handed >= self.budget:
+                if self.assigned:
+                    return "wait"   # a point in flight may come back (its rank lost)
                 self.finished.add(group)
                 self._report(final=len(self.finished) == self.groups)
                 return None
             self.handed += 1
-            return int(self.pending.popleft())
+            self.assigned[group] = int(self.pending.popleft())
+            return self.assigned[group]
+
+    def ranks_lost(self, service_ranks, k):
+        """Under ULFM: the groups of failed ranks are done; their points go back in the queue."""
+        with self.lock:
+            for group in {r // k for r in service_ranks} - self.lost:
+                self.lost.add(group)
+                self.finished.add(group)
+                point = self.assigned.pop(group, None)
+                if point is not None:
+                    self.pending.appendleft(point)
+                    self.handed -= 1
+                print("matex.science: rank group %d lost; its point goes to another group"
+                      % group, file=sys.stdout, flush=True)
 
     def _report(self, final=False):
         now = time.monotonic()
@@ -343,7 +368,8 @@ def loss_surface(model, data, directions="random", resolution=(51, 51), span=1.0
     try:
         if world.Get_rank() == 0:
             queue = _Queue(store, groups.count, max_points, verbose)
-            server = Server(groups.service, queue).start()
+            server = Server(groups.service, queue,
+                            on_failure=lambda failed: queue.ranks_lost(failed, k)).start()
         client = Client(groups, queue)
         leader = group.Get_rank() == 0
         result = None
@@ -351,6 +377,9 @@ def loss_surface(model, data, directions="random", resolution=(51, 51), span=1.0
             task = None
             if leader:
                 task = client("next", groups.index, result)
+                while task == "wait":
+                    time.sleep(0.02)
+                    task = client("next", groups.index, None)
             task = group_ctl.bcast(task, root=0)
             if task is None:
                 break
@@ -370,6 +399,12 @@ def loss_surface(model, data, directions="random", resolution=(51, 51), span=1.0
             while len(queue.finished) < groups.count:
                 time.sleep(0.002)
             store.close()   # before any rank can read the file
+        if _runtime.ft_mode() == "ulfm":
+            # the job without the ranks lost meanwhile (if any): MaTEx's communicator from now
+            if server is not None:
+                server.stop()
+                server = None
+            _runtime._set_comm(world.Shrink())
         surface = _runtime.control().bcast(queue.store.values if queue else None, root=0)
     finally:
         if server is not None:
