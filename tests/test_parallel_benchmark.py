@@ -1,0 +1,37 @@
+"""benchmarks/model_parallel.py --quick --only tensor runs end to end: finite figures,
+half the parameters per rank, and the bytes each layout hands to collectives (facts of
+the layout, not of timing)."""
+
+import json
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def test_tensor_parallel_benchmark_quick(tmp_path):
+    out = tmp_path / "tp.json"
+    env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2", MATEX_FLIGHT_DIR=str(tmp_path / "flight"))
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks" / "model_parallel.py"), "--quick",
+         "--only", "tensor", "--json", str(out)],
+        cwd=ROOT, env=env, capture_output=True, text=True, timeout=400)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+    results = json.loads(out.read_text())
+    rep, tp = results["tensor_replicated"], results["tensor_tensor"]
+    for r in (rep, tp):
+        assert math.isfinite(r["step_s"]) and r["step_s"] > 0
+    assert abs(tp["parameter_bytes"] / rep["parameter_bytes"] - 0.5) < 0.01
+    # the forward allreduce of batch x width float32 (the backward one, of the input's
+    # gradient, is pruned: the block's input is data)
+    activations = 4 * tp["batch"] * tp["width"]
+    assert activations <= tp["bytes_per_step"] < activations * 1.01
+    # replicated: every gradient once
+    assert rep["parameter_bytes"] <= rep["bytes_per_step"] < rep["parameter_bytes"] * 1.01
+    rows = [line for line in proc.stdout.splitlines() if line.startswith("| replicated")
+            or line.startswith("| tensor")]
+    assert len(rows) == 2, proc.stdout
+    assert "each rank holds about half the parameters: MET" in proc.stdout
