@@ -173,6 +173,12 @@ def test_given_directions_and_interpolation():
                                          model=model)
     for alpha, loss in zip(alphas, losses):
         assert abs(loss - linear_loss((1 - alpha) * w, (1 - alpha) * b)) < 1e-12
+    second = linear_model()
+    second.set_weights([2 * w, b - 1])
+    alphas, losses = science.interpolate(model, second, (X, Y), alphas=[-0.5, 0.25, 1.5])
+    for alpha, loss in zip(alphas, losses):
+        assert abs(loss - linear_loss((1 + alpha) * w, b - alpha)) < 1e-12
+    np.testing.assert_array_equal(model.get_weights()[0], w)
 
 
 def test_bad_surface_input_raises_on_every_rank():
