@@ -7,7 +7,7 @@ Three phases, each one ``mpiexec`` job running ``matex.hpo.minimize``:
 * ``utilisation``: 8 groups of 1 rank on synthetic trials that sleep for a
   log-normal duration (so it measures the scheduler, not the CPU): busy-time
   fraction of the groups between the first trial's start and the last one's
-  end. Target >= 97 %.
+  end. Target >= 97 %. (``--quick``: 4 groups, 16 trials.)
 * ``layouts``: one small Keras search (same seed, same trial budget) done
   8 x 1, 4 x 2 and 1 x 8 ranks per trial on 8 ranks (``--quick``: 4 x 1,
   2 x 2 and 1 x 4 on 4 ranks, 4 trials of 2 epochs): wall time until a trial
@@ -70,7 +70,7 @@ def _sleep_search(trials, groups_seed, kill=None, record=None):
 def worker_utilisation(args):
     from mpi4py import MPI
 
-    trials = 32 if args.quick else 96
+    trials = 16 if args.quick else 96
     begin, end, spans = _sleep_search(trials, 1)
     every = MPI.COMM_WORLD.gather(spans, root=0)
     if MPI.COMM_WORLD.Get_rank() == 0:
@@ -200,8 +200,9 @@ def main():
     quick = ["--quick"] if args.quick else []
     from matex import launcher
 
-    results = {"utilisation": _common.run_phase(__file__, "utilisation", 8, quick,
-                                                mpi_args=["--oversubscribe"]),
+    # --quick: 4 ranks (not 8) and 16 trials, a smoke run of the same measurement
+    results = {"utilisation": _common.run_phase(__file__, "utilisation", 4 if args.quick else 8,
+                                                quick, mpi_args=["--oversubscribe"]),
                # --quick: 4 ranks (4 x 1, 2 x 2, 1 x 4), 4 short trials: a smoke run
                "layouts": _common.run_phase(__file__, "layouts", 4 if args.quick else 8, quick,
                                             mpi_args=["--oversubscribe"])}

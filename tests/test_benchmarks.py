@@ -172,7 +172,7 @@ def test_hpo_workflow_driver(tmp_path):
     assert_targets(stdout, 2)
     assert set(results) == {"utilisation", "layouts", "failure"}
     util = results["utilisation"]
-    assert util["groups"] == 8 and util["trials"] == 32
+    assert util["groups"] == 4 and util["trials"] == 16   # --quick
     assert 0 < util["busy_fraction_with_start"] <= util["busy_fraction"] <= 1
     assert set(results["layouts"]) == {"4x1", "2x2", "1x4"}   # --quick: 4 ranks
     for layout in results["layouts"].values():
