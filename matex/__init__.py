@@ -42,7 +42,7 @@ __all__ = [
     "allreduce", "broadcast", "allgather", "broadcast_variables",
     "DistributedOptimizer", "DistributedGradientTape", "mpi_error_class", "shard", "is_sharded",
     "on_rank_loss", "run_resilient", "errors",
-    "sparse_allreduce", "stats", "LocalSGD", "DiLoCo",
+    "sparse_allreduce", "stats", "LocalSGD", "DiLoCo", "flush",
 ]
 
 _LAZY = {
@@ -61,6 +61,7 @@ _LAZY = {
     "stats": "matex._stats",                   # bytes on the wire per step and variable (#14)
     "LocalSGD": "matex.localsgd",              # fewer synchronisations (#14)
     "DiLoCo": "matex.localsgd",
+    "flush": "matex._delayed",                 # apply delay=1's last gradient (#14)
 }
 
 

@@ -38,6 +38,7 @@ class _State:
         self.rows = None             # this rank's rows in the step being traced, or None
         self.flags = []              # in-graph first-step sync flags
         self.capture = None          # list collecting gradients (XLA split), or None
+        self.strategy = None         # fewer synchronisations: _delayed.Delayed, localsgd
 
 
 class _DistributedMixin:
@@ -65,6 +66,9 @@ class _DistributedMixin:
         if hook is not None:
             gates.append(hook)
         with tf.control_dependencies(gates):
+            if state.strategy is not None:   # delay=1 (_delayed), LocalSGD/DiLoCo (localsgd)
+                return state.strategy.apply(self, grads, trainable_variables, super().apply,
+                                            state.op, state.rows)
             names = _variable_names(trainable_variables, len(grads))
             if state.rows is not None and state.op == "average":
                 grads = _weighted_average(grads, state.rows, state.threshold, names,
@@ -207,7 +211,8 @@ def is_reduced_by_wrapper(optimizer):
     return getattr(optimizer, "_matex_reduced_by_wrapper", False)
 
 
-def DistributedOptimizer(optimizer, op="average", fusion_threshold=None, compression=None):
+def DistributedOptimizer(optimizer, op="average", fusion_threshold=None, compression=None,
+                         delay=0):
     """Make a Keras 3 optimizer average gradients over all ranks before updating.
 
     Args:
@@ -223,6 +228,10 @@ def DistributedOptimizer(optimizer, op="average", fusion_threshold=None, compres
         ``PowerSGD(4)``), its text ("topk:0.01"), or "none"; default
         ``MATEX_COMPRESSION`` (unset: none). ``tf.IndexedSlices`` gradients
         (embeddings) always go through ``matex.sparse_allreduce``.
+      delay: 0 (default) applies each step's averaged gradient at once; 1
+        applies it at the next step, its non-blocking allreduce overlapping a
+        whole step of compute (step 0 applies nothing; ``matex.flush``
+        applies the last one; see ``matex._delayed``).
     Returns:
       The distributed optimizer; use it exactly like the original, with
       ``model.compile``/``fit`` or ``apply_gradients``/``apply``.
@@ -235,6 +244,13 @@ def DistributedOptimizer(optimizer, op="average", fusion_threshold=None, compres
 
     if op not in ("average", "sum"):
         raise ValueError("DistributedOptimizer op must be 'average' or 'sum', not %r" % op)
+    if isinstance(delay, bool) or delay not in (0, 1):
+        raise ValueError("DistributedOptimizer delay must be 0 (apply each step's averaged "
+                         "gradient at once) or 1 (apply it one step later, its allreduce "
+                         "overlapping the next step), not %r" % (delay,))
+    if delay and compression not in (None, "none"):
+        raise ValueError("DistributedOptimizer: delay=1 sends its gradients uncompressed; "
+                         "use compression or delay, not both")
     if isinstance(optimizer, str):
         optimizer = keras.optimizers.get(optimizer)
     elif isinstance(optimizer, type):
@@ -251,6 +267,10 @@ def DistributedOptimizer(optimizer, op="average", fusion_threshold=None, compres
     optimizer.__class__ = _distributed_class(type(optimizer))
     object.__setattr__(optimizer, "_matex", _State(op, fusion_threshold))
     optimizer._matex.compression = compressor
+    if delay:
+        from matex import _delayed
+
+        optimizer._matex.strategy = _delayed.Delayed()
     inner = getattr(optimizer, "inner_optimizer", None)   # LossScaleOptimizer
     if inner is not None:
         object.__setattr__(inner, "_matex_reduced_by_wrapper", True)

@@ -51,6 +51,9 @@ def _snapshot(variables):
 class State:
     """Something the recovery loop keeps consistent across a rank failure."""
 
+    def begin_step(self):
+        """A step begins (the loop's callers call it before every step; local)."""
+
     def restore(self):
         """Undo this rank's uncommitted work (local)."""
 
@@ -114,6 +117,20 @@ def model_state(model, track_steps=True):
     return VariablesState(variables, counter, undo)
 
 
+def optimizer_states(optimizer, variables):
+    """The state objects ``optimizer``'s synchronisation rule adds to the loop, if any.
+
+    Local SGD and DiLoCo roll back to the last synchronisation, a ``delay=1``
+    optimizer drops its request in flight (``matex.localsgd``,
+    ``matex._delayed``). ``variables()``: the model's and the optimizer's
+    variables, which a rollback puts back too. Place them after the model's
+    state: their ``restore`` and ``sync`` run after its.
+    """
+    strategy = getattr(getattr(optimizer, "_matex", None), "strategy", None)
+    make = getattr(strategy, "recovery_state", None)
+    return [make(optimizer, variables)] if make is not None else []
+
+
 def run(body, states, on_recovered=None, callbacks=()):
     """``body()``, run again on the survivors after each rank failure (see the module doc)."""
     while True:
@@ -159,12 +176,14 @@ def run_resilient(step, num_steps, variables, optimizer, undo_on_redo=()):
     """
     variables, undo = list(variables), list(undo_on_redo)
     state = VariablesState(lambda: variables, lambda: optimizer.iterations, lambda: undo)
+    states = [state] + optimizer_states(optimizer, lambda: variables)
     recoveries = []
 
     def body():
         while int(optimizer.iterations) < num_steps:
-            state.begin_step()
+            for s in states:
+                s.begin_step()
             step(int(optimizer.iterations))
 
-    run(body, [state], on_recovered=recoveries.append)
+    run(body, states, on_recovered=recoveries.append)
     return len(recoveries)

@@ -26,17 +26,17 @@ class _StepBegin(keras.callbacks.Callback):
     rank whose data ran out early (``_check_equal_steps``).
     """
 
-    def __init__(self, state):
+    def __init__(self, states):
         super().__init__()
-        self.state = state
+        self.states = states or []
         self.epoch, self.steps = 0, 0
 
     def on_epoch_begin(self, epoch, logs=None):
         self.epoch, self.steps = epoch, 0
 
     def on_train_batch_begin(self, batch, logs=None):
-        if self.state is not None:
-            self.state.begin_step()
+        for state in self.states:
+            state.begin_step()
         _faults.maybe_fail(int(self.model.optimizer.iterations), "begin")
 
     def on_train_batch_end(self, batch, logs=None):
@@ -153,7 +153,9 @@ def fit(original):
         observers = _observers(batch)
         ft = _resilience.mode() == "ulfm"
         state = _recovery.model_state(self, track_steps=ft)
-        step_begin = _StepBegin(state if ft else None)
+        # the optimizer's own (Local SGD's rollback, delay=1's request in flight)
+        states = [state] + _recovery.optimizer_states(self.optimizer, state.variables)
+        step_begin = _StepBegin(states if ft else None)
         _announce(size, ft)
         verbose, epochs = a["verbose"], a["epochs"]
         first_iteration = int(self.optimizer.iterations) if self.optimizer is not None else 0
@@ -201,7 +203,7 @@ def fit(original):
                       "(recovered in %.3f s)" % (loss.lost, loss.new_size, position["epoch"] + 1,
                                                  position["step"], loss.seconds), flush=True)
 
-        _recovery.run(body, [state], on_recovered=resume_point, callbacks=callbacks)
+        _recovery.run(body, states, on_recovered=resume_point, callbacks=callbacks)
         return _merge_histories(histories) if histories else self.history
 
     return fit

@@ -14,7 +14,10 @@ def compile_wrapper(original):
         given = bind(original, self, *args, **kwargs).arguments.get("optimizer")
         # An optimizer the script wrapped itself means the script shards its
         # own data (explicit use): fit/evaluate/predict then leave data alone.
-        self._matex_explicit = _optimizer.is_distributed(given)
+        # (LocalSGD and DiLoCo say how ranks synchronise, not who shards: fit still slices)
+        strategy = getattr(getattr(given, "_matex", None), "strategy", None)
+        self._matex_explicit = (_optimizer.is_distributed(given)
+                                and not getattr(strategy, "leaves_data_to_fit", False))
         result = original(self, *args, **kwargs)
         if getattr(self, "optimizer", None) is not None:
             self.optimizer = _optimizer.DistributedOptimizer(self.optimizer)

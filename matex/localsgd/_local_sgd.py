@@ -1,0 +1,172 @@
+"""Local SGD: every rank steps alone; the weights are averaged every ``sync_every`` steps.
+
+``LocalSGD(optimizer, sync_every=H)`` turns a Keras optimizer into one whose
+``apply`` updates this rank's weights with this rank's own gradient (no
+communication) and, after every H-th update (``optimizer.iterations`` a
+multiple of H), replaces the weights by their average over ranks (one fused
+allreduce of the weights, the same buckets as the gradients of data
+parallelism). H steps cost one synchronisation instead of H.
+
+Optimizer slots (momentum, Adam's moments) stay local: each rank keeps its
+own, as torchft's LocalSGD and DiLoCo do; only the trainable weights are
+averaged. The step counter is the same on every rank (every rank steps).
+The first step starts from rank 0's weights and optimizer state, as with
+``DistributedOptimizer``. With H = 1 and plain SGD (or momentum) it is data
+parallelism up to float rounding (the average of the updated weights instead
+of the update by the averaged gradient).
+
+Rank failure under ULFM (``matexrun --ft``): the recovery loop's
+``RollbackState`` puts every survivor back to the last synchronisation point
+(weights, optimizer state, step counter and the model's other variables, as
+they were when the step after that synchronisation began), takes the new
+rank 0's values, and training redoes the steps since, re-divided among the
+survivors: at most H - 1 steps of work are redone and no sample is lost or
+counted twice.
+"""
+
+import tensorflow as tf
+
+from matex import _collectives, _compat, _fusion, _optimizer, _recovery
+
+
+def check_sync_every(sync_every):
+    """``sync_every`` as an int >= 1, or a ValueError that says what it must be."""
+    if isinstance(sync_every, bool) or not isinstance(sync_every, int) or sync_every < 1:
+        raise ValueError("sync_every must be an integer >= 1 (the number of local steps "
+                         "between two synchronisations), not %r" % (sync_every,))
+    return sync_every
+
+
+def _cond(pred, true_fn):
+    """Run ``true_fn`` when ``pred``: tf.cond in a graph (ordered), an ``if`` eagerly."""
+    if tf.executing_eagerly():
+        return true_fn() if bool(pred) else tf.constant(False)
+    graph = tf.compat.v1.get_default_graph()
+    # Collectives inside a cond are ordered explicitly: after the graph's last
+    # collective, and every later one after the whole cond (set_barrier).
+    with tf.control_dependencies(_optimizer._last_collectives(graph)):
+        out = tf.cond(pred, true_fn, lambda: tf.constant(False))
+    _collectives.set_barrier(out.op)
+    return out
+
+
+class LocalStrategy:
+    """How a LocalSGD optimizer applies gradients (``_optimizer._State.strategy``)."""
+
+    # fit under matex.keras / python -m matex still slices the data: this says
+    # how ranks synchronise, not who shards
+    leaves_data_to_fit = True
+
+    def __init__(self, sync_every):
+        self.sync_every = check_sync_every(sync_every)
+        self.syncs = 0   # synchronisations traced (graph) or run (eager); for tests
+
+    def own_variables(self):
+        """Variables this strategy keeps besides the model's and the optimizer's."""
+        return []
+
+    def before_update(self, optimizer, variables):
+        """Hook before the local update (DiLoCo records its anchor)."""
+        return []
+
+    def synchronise(self, optimizer, variables):
+        """Replace the weights by their average over ranks."""
+        values = [tf.convert_to_tensor(v) for v in variables]
+        averaged = _fusion.allreduce_gradients(values, "average")
+        with tf.control_dependencies([a for a in averaged]):   # all or nothing
+            for v, a in zip(variables, averaged):
+                v.assign(a)
+        return tf.constant(True)
+
+    def apply(self, optimizer, grads, variables, inner_apply, op, rows):
+        variables = list(variables if variables is not None
+                         else _compat.optimizer_trainable_variables(optimizer))
+        deps = self.before_update(optimizer, variables)
+        with tf.control_dependencies(deps):
+            inner_apply(grads, variables)
+        # read after the update (same resource: ordered), so the count includes this step
+        due = tf.equal(tf.math.floormod(tf.convert_to_tensor(optimizer.iterations),
+                                        self.sync_every), 0)
+        self.syncs += 1
+        return _cond(due, lambda: self.synchronise(optimizer, variables))
+
+    def recovery_state(self, optimizer, variables):
+        return RollbackState(self, optimizer, variables)
+
+
+class RollbackState(_recovery.State):
+    """Roll back to the last synchronisation point after a rank failure.
+
+    ``begin_step`` (called by the recovery loop's callers before every step)
+    snapshots ``variables()`` (the model's and the optimizer's, step counter
+    included) and the strategy's own variables when the step counter is a
+    multiple of H, i.e. right after a synchronisation; ``restore`` puts them
+    back; ``sync`` (after the model state took the new rank 0's values) takes
+    rank 0's own variables and snapshots the agreed state again.
+    """
+
+    def __init__(self, strategy, optimizer, variables):
+        self.strategy, self.optimizer, self.variables = strategy, optimizer, variables
+        self.at, self.saved = None, None
+
+    def _all(self):
+        return list(self.variables()) + list(self.strategy.own_variables())
+
+    def begin_step(self):
+        step = int(self.optimizer.iterations)
+        if step % self.strategy.sync_every == 0 and step != self.at:
+            self.saved = _recovery._snapshot(self._all())
+            self.at = step
+
+    def restore(self):
+        if self.saved is None:
+            return
+        everything = self._all()
+        if len(everything) != len(self.saved):
+            raise RuntimeError("matex: cannot roll back to the last synchronisation: the "
+                               "variables changed since (%d now, %d saved)"
+                               % (len(everything), len(self.saved)))
+        for v, value in zip(everything, self.saved):
+            v.assign(value)
+
+    def sync(self):
+        _collectives.broadcast_variables(list(self.strategy.own_variables()), 0)
+        self.at = None
+        self.begin_step()   # everyone now holds the new rank 0's synchronised state
+
+    def arrays(self):
+        return [tf.convert_to_tensor(v).numpy() for v in self.strategy.own_variables()]
+
+
+def convert(optimizer, strategy):
+    """Make ``optimizer`` distributed (in place) with ``strategy`` as its update rule."""
+    optimizer = _optimizer.DistributedOptimizer(optimizer)
+    current = optimizer._matex.strategy
+    if current is not None:
+        raise ValueError("this optimizer already has a synchronisation rule (%s); wrap a "
+                         "fresh optimizer" % type(current).__name__)
+    optimizer._matex.strategy = strategy
+    return optimizer
+
+
+def LocalSGD(optimizer, sync_every: int):
+    """Local SGD: step alone, average the weights over ranks every ``sync_every`` steps.
+
+    Args:
+      optimizer: a Keras 3 optimizer (instance, class or name), converted in
+        place like ``DistributedOptimizer`` and returned.
+      sync_every: local steps between two weight averagings (H >= 1). Slots
+        (momentum, Adam moments) stay local.
+    Returns:
+      The optimizer: pass it to ``model.compile`` (``fit`` under
+      ``matex.keras``/``python -m matex`` still slices each global batch among
+      the ranks) or call ``apply``/``apply_gradients`` in a custom loop (give
+      each rank its own data, e.g. ``matex.shard``).
+    Raises:
+      ValueError: ``sync_every`` is not an integer >= 1.
+
+    Example:
+      >>> model.compile(optimizer=matex.LocalSGD(keras.optimizers.SGD(0.1), sync_every=8),
+      ...               loss="sparse_categorical_crossentropy")
+    """
+    return convert(optimizer, LocalStrategy(sync_every))

@@ -1,0 +1,76 @@
+"""Fewer synchronisations under real mpiexec: delay=1, LocalSGD, DiLoCo (issue #14).
+
+One 2-rank job (tests/scripts/fewer_syncs.py) runs every check, custom loops
+and ``fit`` alike; this module asserts on what each rank wrote.
+"""
+
+import json
+import sys
+
+import pytest
+
+import mpitools
+
+SCRIPT = str(mpitools.ROOT / "tests" / "scripts" / "fewer_syncs.py")
+ROUNDING = 1e-6   # float32 weights of order 1: averaging updated weights vs averaged updates
+
+
+@pytest.fixture(scope="module")
+def ranks(tmp_path_factory):
+    out = str(tmp_path_factory.mktemp("fewer") / "r")
+    proc = mpitools.run_mpi(2, [sys.executable, SCRIPT, out], timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
+    return [json.load(open("%s.%d" % (out, r))) for r in range(2)]
+
+
+def test_bad_input_is_a_clear_error_on_every_rank(ranks):
+    for r in ranks:
+        assert r["errors"] == ranks[0]["errors"]
+        first, second, diloco, delay2, delay_bool = r["errors"]
+        assert "sync_every must be an integer >= 1" in first and "not 0" in first
+        assert "not 1.5" in second and "not -2" in diloco
+        assert "delay must be 0" in delay2 and "not 2" in delay2
+        assert "not True" in delay_bool
+
+
+def test_local_sgd_every_step_is_data_parallel(ranks):
+    for r in ranks:
+        assert r["localsgd1_loop"] <= ROUNDING
+        assert r["localsgd1_momentum_loop"] <= ROUNDING   # slots local, but momentum is linear
+        assert r["localsgd1_fit"] <= ROUNDING
+
+
+def test_local_sgd_ranks_apart_between_syncs_equal_at_them(ranks):
+    # sync_every=3 over 6 steps: bitwise equal after steps 3 and 6 only
+    assert ranks[0]["localsgd3_equal_after_step"] == [False, False, True, False, False, True]
+    for r in ranks:
+        assert r["localsgd3_fit_vs_loop"] <= ROUNDING
+
+
+def test_diloco_with_plain_outer_sgd_at_rate_one_is_local_sgd(ranks):
+    for r in ranks:
+        assert r["diloco_vs_localsgd_loop"] <= ROUNDING
+        assert r["diloco_vs_localsgd_fit"] <= ROUNDING
+        # a Nesterov outer step goes elsewhere, identically on every rank
+        assert r["diloco_nesterov_vs_localsgd"] > 1e-3
+        assert r["diloco_nesterov_equal"]
+
+
+@pytest.mark.parametrize("momentum", ["0.0", "0.9"])
+def test_delay_one_is_the_delayed_trajectory_bitwise_equal_every_step(ranks, momentum):
+    for r in ranks:
+        gaps = r["delay_loop_gaps_" + momentum]
+        assert len(gaps) == 7 and max(gaps) <= ROUNDING   # 6 steps, then the flush
+        assert gaps[0] == 0.0                             # step 0 applies nothing
+        assert all(r["delay_loop_equal_" + momentum])
+        assert r["delay_pending_before_flush_" + momentum]
+        assert r["delay_flushed_" + momentum] and not r["delay_flush_again_" + momentum]
+        # the reference is not the undelayed run
+        assert r["delay_vs_undelayed_" + momentum] > 1e-3
+
+
+def test_delay_one_in_fit(ranks):
+    for r in ranks:
+        assert len(r["delay_fit_gaps"]) == 6 and max(r["delay_fit_gaps"]) <= ROUNDING
+        assert all(r["delay_fit_equal"])
+        assert r["pending_requests"] == 1   # fit's last gradient, not flushed: dropped at exit
