@@ -335,7 +335,28 @@ class PipelineModel(keras.Model):
                     else:
                         self._send(dx, p - 1)
         assert pending is None, "a fused transfer was left unsent"
+        if not L.last:
+            self._mirror_metrics(y, sample_weight, mb)
         return total if train else None
+
+    def _mirror_metrics(self, y, sample_weight, mb):
+        """On stages without the loss: give the compiled metrics the last stage's structure.
+
+        Keras builds metric states at their first update; here they are updated
+        with zero predictions of the model's output shapes (the values do not
+        matter: ``get_metrics_result`` overwrites every state with the last
+        stage's before reading it).
+        """
+        zeros = [tf.zeros(tf.concat([[mb], tf.constant(s, tf.int32)], 0), dt)
+                 for s, dt in self._out_specs]
+        y_pred = zeros[0] if len(zeros) == 1 else zeros
+        part = keras.tree.map_structure(lambda t: None if t is None else t[:mb],
+                                        (y, sample_weight))
+        self._skip_results = True
+        try:
+            self.compute_metrics(None, part[0], y_pred, sample_weight=part[1])
+        finally:
+            self._skip_results = False
 
     def _forward_all(self, x, rows, training):
         """Forward only, M micro-batches; the whole model's outputs on every pipeline rank."""
@@ -481,6 +502,57 @@ class PipelineModel(keras.Model):
         _collectives.broadcast_variables(self.stage.variables, 0)
         self._synced = True
 
+    def _refusing_recovery(self, call):
+        """``call()``; a rank failure becomes ``RankFailure`` naming the lost ranks, everywhere.
+
+        A pipeline cannot go on without a stage (its weights exist on no other
+        rank), so MaTEx's shrink-and-continue recovery does not apply: under
+        ULFM the survivors revoke the pipeline's communicators (so every rank
+        still blocked in a transfer or collective fails too, instead of
+        hanging), name the lost ranks and raise; the job then ends.
+        """
+        from matex import _resilience
+        from matex.errors import RankFailure
+
+        try:
+            return call()
+        except Exception as exc:  # noqa: BLE001 - classified right below
+            if not _resilience.is_failure(exc):
+                raise
+            lost = self._lost_ranks()
+            raise RankFailure(
+                "matex.parallel: rank(s) %s of this pipeline failed; pipelined runs cannot "
+                "recover from a rank failure (a lost stage's weights exist nowhere else), so "
+                "the job ends. Restart it from a checkpoint (pm.save / matexrun --restart)."
+                % (", ".join(map(str, lost)) if lost else "?")) from exc
+
+    def _lost_ranks(self):
+        """World ranks (of the pipeline's grid) that failed, after revoking its communicators."""
+        from mpi4py import MPI
+
+        from matex import _resilience
+
+        control = self._layout.control
+        if _resilience.mode() != "ulfm":
+            return []
+        comms = [control, _runtime.comm()]
+        g = self._layout.grid
+        if g is not None:
+            comms += [g.pipeline_comm, g.tensor_comm, g.world_comm]
+        for c in comms:
+            try:
+                c.Revoke()
+            except MPI.Exception:
+                pass   # already revoked
+        try:
+            control.Ack_failed()
+            group = control.Get_failed()
+            ranks = MPI.Group.Translate_ranks(group, list(range(group.Get_size())),
+                                              control.Get_group())
+            return sorted(r for r in ranks if r >= 0)
+        except MPI.Exception:
+            return []
+
     def _quiet(self, verbose):
         return verbose if self._layout.world_rank == 0 else 0
 
@@ -488,22 +560,22 @@ class PipelineModel(keras.Model):
         self._require_built()
         _agree(self._layout.control, lambda: self._check_array_batches(x, batch_size, "fit"))
         self._sync_replicas()
-        return super().fit(x, y, batch_size=batch_size, epochs=epochs,
-                           verbose=self._quiet(verbose), **kwargs)
+        return self._refusing_recovery(lambda: super(PipelineModel, self).fit(
+            x, y, batch_size=batch_size, epochs=epochs, verbose=self._quiet(verbose), **kwargs))
 
     def evaluate(self, x=None, y=None, batch_size=None, verbose="auto", **kwargs):
         self._require_built()
         _agree(self._layout.control,
                lambda: self._check_array_batches(x, batch_size, "evaluate"))
         self._sync_replicas()
-        return super().evaluate(x, y, batch_size=batch_size, verbose=self._quiet(verbose),
-                                **kwargs)
+        return self._refusing_recovery(lambda: super(PipelineModel, self).evaluate(
+            x, y, batch_size=batch_size, verbose=self._quiet(verbose), **kwargs))
 
     def predict(self, x, batch_size=None, verbose="auto", **kwargs):
         self._require_built()
         self._sync_replicas()
-        return super().predict(x, batch_size=batch_size, verbose=self._quiet(verbose),
-                               **kwargs)
+        return self._refusing_recovery(lambda: super(PipelineModel, self).predict(
+            x, batch_size=batch_size, verbose=self._quiet(verbose), **kwargs))
 
     # ---- the whole model: gather, save -----------------------------------------
 

@@ -29,11 +29,13 @@ exchange a header first, so they behave so):
   waits for a gradient from p+1; stage p+1 at that moment sends a gradient to
   p and at once waits for activation m: both sides are one fused
   send-receive with each other, which completes as a pair. Warm-up and
-  drain are the gpipe argument on fewer micro-batches.
+  drain are the gpipe argument on fewer micro-batches. A fusion is kept only
+  where the peer fuses too (a send-receive is assumed to match only a
+  send-receive); ``steps`` undoes the others.
 
 ``simulate`` replays the schedules under those semantics and reports the
 first stuck state; tests run it for P up to 8 and M up to 24 on both
-schedules.
+schedules (and show that 1F1B without fusion is stuck).
 """
 
 SCHEDULES = ("gpipe", "1f1b")
@@ -73,8 +75,8 @@ def order(schedule, stages, stage, micro):
     return out
 
 
-def steps(schedule, stages, stage, micro, train=True):
-    """The steps of ``stage``, transfers filled in and fused (see the module doc)."""
+def _candidates(schedule, stages, stage, micro, train=True):
+    """The steps of ``stage`` with every adjacent send/receive pair to one peer fused."""
     kinds = order(schedule, stages, stage, micro) if train else [("F", m) for m in range(micro)]
     out = []
     for kind, m in kinds:
@@ -89,6 +91,45 @@ def steps(schedule, stages, stage, micro, train=True):
         if a.send is not None and b.recv is not None and a.send[0] == b.recv[0] \
                 and a.kind != b.kind:
             a.fused_send, b.fused_recv = True, True
+    return out
+
+
+_plans = {}
+
+
+def steps(schedule, stages, stage, micro, train=True):
+    """The steps of ``stage``, transfers filled in, fused only where both ends fuse.
+
+    A send-receive is matched only by a send-receive of its peer (the
+    conservative reading of the p2p ops), so a candidate fusion whose peer
+    does a plain send or receive at that point is undone; ``simulate`` checks
+    the result.
+    """
+    key = (schedule, stages, micro, train)
+    if key not in _plans:
+        plan = [_candidates(schedule, stages, p, micro, train) for p in range(stages)]
+        while True:
+            stuck = _replay(plan)
+            if stuck is None:
+                break
+            fused = [(p, i) for p, i, op in stuck if op is not None and op[0] == "sendrecv"]
+            if not fused:
+                raise RuntimeError("no deadlock-free transfer order for %r" % (key,))
+            p, i = fused[0]
+            b = _sources(plan[p])[i]
+            plan[p][b - 1].fused_send = plan[p][b].fused_recv = False
+        _plans[key] = plan
+    return _plans[key][stage]
+
+
+def _sources(stage_steps):
+    """For each transfer of ``transfers(stage_steps)``: the index of the step issuing it."""
+    out = []
+    for i, s in enumerate(stage_steps):
+        if s.fused_recv or s.recv is not None:
+            out.append(i)
+        if s.send is not None and not s.fused_send:
+            out.append(i)
     return out
 
 
@@ -108,41 +149,36 @@ def transfers(stage_steps):
 
 
 def simulate(schedule, stages, micro, train=True):
-    """Replay every stage's transfers with rendezvous semantics; None, or why it is stuck."""
-    ops = [transfers(steps(schedule, stages, p, micro, train)) for p in range(stages)]
-    pos = [0] * stages
-    pending = []   # per stage: set of unfinished parts of its current op
-    for p in range(stages):
-        pending.append(_parts(ops[p][0]) if ops[p] else set())
+    """Replay every stage's transfers; None, or a description of where they are stuck."""
+    stuck = _replay([steps(schedule, stages, p, micro, train) for p in range(stages)])
+    if stuck is None:
+        return None
+    return "stuck: " + "; ".join("stage %d at %s" % (p, op) for p, _, op in stuck)
+
+
+def _replay(plan):
+    """Rendezvous replay: a send meets a receive; a send-receive meets only a send-receive.
+
+    Returns None when every transfer completes, else [(stage, op index, op)].
+    """
+    ops = [transfers(s) for s in plan]
+    n = len(ops)
+    pos = [0] * n
     while True:
-        if all(pos[p] >= len(ops[p]) for p in range(stages)):
+        if all(pos[p] >= len(ops[p]) for p in range(n)):
             return None
         progress = False
-        for p in range(stages):
+        for p in range(n):
             if pos[p] >= len(ops[p]):
                 continue
-            for part in list(pending[p]):
-                if part[0] != "send" or part not in pending[p]:
-                    continue
-                q = part[1]
-                if pos[q] < len(ops[q]) and ("recv", p) in pending[q]:
-                    pending[p].discard(part)
-                    pending[q].discard(("recv", p))
-                    progress = True
-        for p in range(stages):
-            while pos[p] < len(ops[p]) and not pending[p]:
+            op = ops[p][pos[p]]
+            q = op[1]
+            peer = ops[q][pos[q]] if op[0] != "recv" and pos[q] < len(ops[q]) else None
+            if (op[0] == "send" and peer == ("recv", p)) or (
+                    op[0] == "sendrecv" and op[2] == q and peer == ("sendrecv", p, p)):
                 pos[p] += 1
-                pending[p] = _parts(ops[p][pos[p]]) if pos[p] < len(ops[p]) else set()
+                pos[q] += 1
                 progress = True
         if not progress:
-            return "stuck: " + "; ".join(
-                "stage %d at %s" % (p, ops[p][pos[p]] if pos[p] < len(ops[p]) else "end")
-                for p in range(stages))
-
-
-def _parts(op):
-    if op[0] == "send":
-        return {("send", op[1])}
-    if op[0] == "recv":
-        return {("recv", op[1])}
-    return {("send", op[1]), ("recv", op[2])}
+            return [(p, pos[p], ops[p][pos[p]] if pos[p] < len(ops[p]) else None)
+                    for p in range(n)]

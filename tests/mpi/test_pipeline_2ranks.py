@@ -1,0 +1,134 @@
+"""Pipeline parallelism on 2 ranks: 2 stages equal one process; bad input fails everywhere."""
+
+import keras
+import numpy as np
+import pytest
+import tensorflow as tf
+
+import matex
+from matex.parallel._pipeline import PipelineModel
+from matex.parallel._stages import StageBoundary
+from pipeline_common import (BATCH, cnn, compile_, mlp, regression, same_everywhere,
+                             train_and_compare)
+
+R, N = matex.rank(), matex.size()
+pytestmark = pytest.mark.skipif(N != 2, reason="a 2-rank suite")
+
+
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
+def test_mlp_two_stages_equals_one_process(schedule):
+    pm, h, _, _ = train_and_compare(lambda: mlp(2), (6,), microbatches=4, schedule=schedule)
+    assert same_everywhere(matex.comm(), h.history)
+    # each rank keeps its own stage: hidden layers 0-1 on rank 0, 2-3 + output on rank 1
+    names = {layer.name for layer in pm.stage.layers if layer.weights}
+    assert names == ({"h0", "h1"} if R == 0 else {"h2", "h3", "out"})
+
+
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
+def test_cnn_two_stages_equals_one_process(schedule):
+    pm, _, ref, _ = train_and_compare(lambda: cnn(2), (8, 8, 2), microbatches=2,
+                                      schedule=schedule)
+    x, y = regression((8, 8, 2), seed=1)
+    np.testing.assert_allclose(pm.evaluate(x, y, batch_size=BATCH, verbose=0),
+                               ref.evaluate(x, y, batch_size=BATCH, verbose=0), rtol=1e-4)
+    # any number of rows (padded internally), the whole prediction on every rank
+    np.testing.assert_allclose(pm.predict(x[:13], batch_size=8, verbose=0),
+                               ref.predict(x[:13], verbose=0), rtol=1e-4, atol=1e-6)
+
+
+def test_parameter_bytes_split():
+    keras.utils.set_random_seed(0)
+    model = keras.Sequential([keras.Input((64,))] + [keras.layers.Dense(64) for _ in range(2)]
+                             + [StageBoundary()] + [keras.layers.Dense(64) for _ in range(2)])
+    whole = sum(int(np.prod(w.shape)) * 4 for w in model.weights)
+    pm = PipelineModel(model, microbatches=2)
+    mine = sum(int(np.prod(w.shape)) * 4 for w in pm.trainable_weights)
+    assert mine == pm.stage_bytes()
+    assert matex.comm().allgather(mine) == [whole // 2, whole // 2]
+
+
+def test_unbuilt_sequential_builds_only_this_stage():
+    keras.utils.set_random_seed(1)
+    layers = [keras.layers.Dense(32, name="a"), keras.layers.Dense(32, name="b"),
+              StageBoundary(name="cut"), keras.layers.Dense(32, name="c"),
+              keras.layers.Dense(3, name="d")]
+    model = keras.Sequential(layers)
+    pm = PipelineModel(model, microbatches=2)
+    pm.build((None, 5))
+    built = {layer.name for layer in layers if layer.built and layer.weights}
+    assert built == ({"a", "b"} if R == 0 else {"c", "d"})
+    compile_(pm)
+    x, y = regression((5,), seed=2, rows=32)
+    h = pm.fit(x, y, batch_size=BATCH, epochs=1, shuffle=False, verbose=0)
+    assert same_everywhere(matex.comm(), h.history)
+    assert pm.predict(x[:5], verbose=0).shape == (5, 3)
+
+
+def test_balanced_stages_equal_one_process():
+    # stages=2: rank 0 measures and picks the cut; every rank follows it
+    model = mlp(1, width=16, depth=6)
+    pm = PipelineModel(model, microbatches=2, stages=2)
+    assert same_everywhere(matex.comm(), pm.plan.starts)
+    assert pm.plan.starts[1] in {"h1", "h2", "h3", "h4", "h5"}   # not a degenerate cut
+    compile_(pm)
+    ref = compile_(mlp(1, width=16, depth=6))
+    x, y = regression((6,), seed=3, rows=32)
+    h = pm.fit(x, y, batch_size=BATCH, epochs=1, shuffle=False, verbose=0)
+    href = ref.fit(x, y, batch_size=BATCH, epochs=1, shuffle=False, verbose=0)
+    np.testing.assert_allclose(h.history["loss"], href.history["loss"], rtol=1e-4)
+
+
+# ---- bad input: a clear error on every rank, no hang ------------------------------
+
+def test_microbatches_must_divide_the_batch():
+    pm = compile_(PipelineModel(mlp(2), microbatches=3))
+    x, y = regression((6,), rows=32)
+    with pytest.raises(ValueError, match="micro-batches"):
+        pm.fit(x, y, batch_size=BATCH, verbose=0)   # 16 rows in 3 parts
+
+
+def test_more_microbatches_than_rows():
+    pm = compile_(PipelineModel(mlp(2), microbatches=8))
+    x, y = regression((6,), rows=4)
+    with pytest.raises(ValueError, match="micro-batch"):
+        pm.fit(x, y, batch_size=4, verbose=0)
+
+
+def test_stages_must_equal_pipeline_size():
+    with pytest.raises(ValueError, match="pipeline has 2 ranks"):
+        PipelineModel(mlp(4), microbatches=2)
+    with pytest.raises(ValueError, match="pipeline has 2 ranks"):
+        PipelineModel(mlp(1), microbatches=2, stages=["h1", "h2"])
+
+
+def test_more_stages_than_layers():
+    keras.utils.set_random_seed(0)
+    model = keras.Sequential([keras.Input((3,)), keras.layers.Dense(2, name="only"),
+                              StageBoundary(name="b")])
+    with pytest.raises(ValueError, match="more stages than"):
+        PipelineModel(model)
+
+
+def test_boundary_inside_a_residual_branch():
+    inp = keras.Input((4,))
+    h = keras.layers.Dense(4, name="a")(inp)
+    branch = keras.layers.Dense(4, name="b")(h)
+    branch = StageBoundary(name="cut")(branch)
+    branch = keras.layers.Dense(4, name="c")(branch)
+    out = keras.layers.Add(name="add")([h, branch])     # h jumps over the boundary
+    with pytest.raises(ValueError, match="do not separate"):
+        PipelineModel(keras.Model(inp, out))
+
+
+def test_a_rank_specific_failure_is_raised_everywhere():
+    # only rank 1 gets a bad schedule name: both ranks raise, none waits
+    with pytest.raises(ValueError):
+        PipelineModel(mlp(2), schedule="gpipe" if R == 0 else "zigzag")
+
+
+def test_dataset_batch_that_does_not_divide_fails_in_the_step():
+    pm = compile_(PipelineModel(mlp(2), microbatches=4))
+    x, y = regression((6,), rows=16)
+    ds = tf.data.Dataset.from_tensor_slices((x, y)).batch(6)   # 6, 6, 4 rows
+    with pytest.raises(tf.errors.InvalidArgumentError, match="must divide"):
+        pm.fit(ds, verbose=0)
