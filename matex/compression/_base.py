@@ -51,9 +51,10 @@ def check_ratio(ratio, what):
 
 
 def _state_variable(initial, name):
-    """A non-trainable tf.Variable made outside any trace (like an optimizer slot)."""
+    """A non-trainable tf.Variable made outside any trace (like an optimizer slot);
+    ``initial`` is a callable, run there too."""
     with tf.init_scope():
-        return tf.Variable(initial, trainable=False, name=name)
+        return tf.Variable(initial(), trainable=False, name=name)
 
 
 class ErrorFeedback:
@@ -67,7 +68,7 @@ class ErrorFeedback:
         entry = self._residuals.get(key)
         if entry is None or entry[0] is not owner:
             shape, dtype = item.grad.shape, item.grad.dtype
-            entry = (owner, _state_variable(tf.zeros(shape, dtype), "matex_residual"))
+            entry = (owner, _state_variable(lambda: tf.zeros(shape, dtype), "matex_residual"))
             self._residuals[key] = entry
         return entry[1]
 
@@ -99,7 +100,8 @@ class Compressor:
     def step(self):
         """This call's step number (same on every rank); the counter then advances."""
         if self._step is None:
-            self._step = _state_variable(tf.constant(0, tf.int64), "matex_compression_step")
+            self._step = _state_variable(lambda: tf.constant(0, tf.int64),
+                                         "matex_compression_step")
         return self._step.assign_add(1) - 1
 
     def reduce(self, items, op, threshold):

@@ -73,9 +73,9 @@ class PowerSGD(Compressor):
         entry = self._q.get(key)
         if entry is None or entry[0] is not owner:
             _, m = as_matrix_shape(item.grad.shape)
-            with tf.init_scope():   # the same start on every rank (shared seed)
-                start = tf.random.stateless_normal([m, self._rank_of(item)], [self.seed, i],
-                                                   dtype=item.grad.dtype)
+            r, dtype = self._rank_of(item), item.grad.dtype
+            start = (lambda: tf.random.stateless_normal(   # the same on every rank
+                [m, r], [self.seed, i], dtype=dtype))
             entry = (owner, _state_variable(start, "matex_powersgd_q"))
             self._q[key] = entry
         return entry[1]

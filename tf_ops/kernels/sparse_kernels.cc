@@ -84,6 +84,9 @@ class SparseAllreduceOp : public OpKernel {
         indices.flat<int64_t>().data(), indices.dim_size(0), values.tensor_data().data(),
         row_shape, dense_rows, dtype, switch_rows, allocate, &sent, comm_);
     OP_REQUIRES_OK(ctx, alloc_status);
+    // Bad input (an index out of range on some rank) is the caller's error.
+    OP_REQUIRES(ctx, s.kind != matex::Status::Kind::kInvalid,
+                absl::InvalidArgumentError("matex sparse allreduce: " + s.message));
     OP_REQUIRES_OK(ctx, ToTf(s, "matex sparse allreduce"));
     Tensor* t = nullptr;
     OP_REQUIRES_OK(ctx, ctx->allocate_output(2, TensorShape({}), &t));

@@ -1,0 +1,31 @@
+"""Communicating less (#14, part A) under real mpiexec: the sparse allreduce on 2, 3 and 4
+ranks (power of two and not), the compressors in DistributedOptimizer on 2 ranks, and the
+sparse-allreduce benchmark's --quick driver."""
+
+import math
+
+import pytest
+
+import mpitools
+from test_benchmarks import numbers, run_driver, table_rows
+
+
+@pytest.mark.parametrize("nranks", [2, 3, 4])
+def test_sparse_allreduce(nranks, tmp_path):
+    assert mpitools.run_suite(nranks, ["test_sparse_allreduce.py"], tmp_path) >= 25
+
+
+def test_compressors(tmp_path):
+    assert mpitools.run_suite(2, ["test_compression.py"], tmp_path) >= 13
+
+
+def test_sparse_allreduce_benchmark(tmp_path):
+    stdout, results = run_driver("sparse_allreduce", tmp_path, timeout=600)
+    assert len(table_rows(stdout)) == 7 + 6 + 2
+    assert all(math.isfinite(n) and n >= 0 for n in numbers(results))
+    assert "crossover density (scalar rows)" in stdout
+    emb = results["embedding"]
+    assert emb["sparse_bytes"] < emb["densified_bytes"]
+    for key in ("scalar", "rows16"):
+        for row in results[key].values():
+            assert row["sparse_ms"] > 0 and row["dense_ms"] > 0 and row["allgather_ms"] > 0
