@@ -111,6 +111,7 @@ def worker(args):
 
 
 def report(results):
+    results = results["worker"]
     lines = []
     for key, label in (("scalar", "scalar rows"), ("rows16", "rows of 16 float32")):
         res = results[key]

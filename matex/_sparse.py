@@ -24,10 +24,13 @@ from matex import _collectives
 from matex._runtime import _run_as_is
 
 # A merged stream goes dense once its bytes reach this fraction of the dense
-# tensor's bytes. Measured (benchmarks/sparse_allreduce.py, 2-4 ranks, shared
-# memory): the sparse exchange stops paying at about half the dense bytes
-# (merging costs CPU that the dense allreduce does not), so 0.5.
-DENSE_BYTES_RATIO = 0.5
+# tensor's bytes. Measured with benchmarks/sparse_allreduce.py (2 ranks, shared
+# memory, 1 M float32 scalar rows, a 2-core VM at load 14, so rough): the
+# sparse exchange stopped beating the dense allreduce between densities 0.05
+# and 0.1, i.e. stream bytes 0.15-0.3 of the dense bytes (merging costs CPU
+# the dense allreduce does not spend), hence 0.25: density 0.083 for scalar
+# float32 rows, 0.22 for rows of 16 float32.
+DENSE_BYTES_RATIO = 0.25
 
 _INDEX_DTYPES = (tf.int32, tf.int64)
 
@@ -143,3 +146,22 @@ def _sparse_allreduce_grad(op, _g_indices, g_values, _g_dense, _g_bytes):
                                                  comm=op.get_attr("comm"))
     return [None, tf.gather(summed, indices), None, None]
 
+
+
+def reduce_slices(values, indices, dense_shape, op="average", comm=0):
+    """An ``IndexedSlices`` gradient reduced over ranks: ``(result, bytes sent)``.
+
+    The result is an IndexedSlices (inside tf.function, or eagerly while
+    sparse) or a dense tensor (eagerly, once dense), which Keras optimizers
+    apply either way.
+    """
+    dense_shape = tf.cast(tf.convert_to_tensor(dense_shape), tf.int64)
+    out_indices, out_values, is_dense, nbytes = exchange(indices, values, dense_shape[0],
+                                                         None, comm)
+    if op == "average":
+        size = tf.cast(_collectives.comm_info(comm)[1], out_values.dtype)
+        out_values = (out_values / size if out_values.dtype.is_floating
+                      else tf.truncatediv(out_values, size))
+    if tf.executing_eagerly() and bool(is_dense):
+        return tf.reshape(out_values, dense_shape), nbytes
+    return tf.IndexedSlices(out_values, out_indices, dense_shape), nbytes

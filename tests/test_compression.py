@@ -21,6 +21,7 @@ def test_compressors(tmp_path):
 
 def test_sparse_allreduce_benchmark(tmp_path):
     stdout, results = run_driver("sparse_allreduce", tmp_path, timeout=600)
+    results = results["worker"]
     assert len(table_rows(stdout)) == 7 + 6 + 2
     assert all(math.isfinite(n) and n >= 0 for n in numbers(results))
     assert "crossover density (scalar rows)" in stdout
