@@ -49,7 +49,7 @@ def _spans(events, cat):
     return [e for e in events if e["ph"] == "X" and e.get("cat") == cat]
 
 
-def _check_traces(directory, nranks):
+def _check_traces(directory, nranks, ends_us=1000):
     """Per-rank files and the merged one: valid, monotonic per rank, aligned across ranks."""
     for r in range(nranks):
         events = _events(directory / ("timeline-rank%d.json" % r))
@@ -76,7 +76,7 @@ def _check_traces(directory, nranks):
         gaps.append(max(starts) - min(finish))
         ends.append(max(finish) - min(finish))
     assert max(gaps) < 1000, "a rank left before another arrived: %.0f us" % max(gaps)
-    assert statistics.median(ends) < 1000, "ends %.0f us apart (median)" % statistics.median(
+    assert statistics.median(ends) < ends_us, "ends %.0f us apart (median)" % statistics.median(
         ends)
     waits = _spans(merged, "wait")
     checks = _spans(merged, "check")
@@ -155,9 +155,14 @@ def test_sampling_records_only_the_requested_steps(tmp_path):
 def test_api_start_stop_on_three_ranks(tmp_path):
     proc = _matexrun(tmp_path, nranks=3, script_args=["api"], env={"TEST_STEPS": "30-32"})
     assert proc.returncode == 0, proc.stderr[-4000:]
-    merged = _check_traces(tmp_path / "out.timeline", 3)
-    assert sorted(e["args"]["step"] for e in _spans(merged, "step")) == [30, 30, 30, 31, 31,
-                                                                         31, 32, 32, 32]
+    # 3 ranks on 2 cores: a rank is often descheduled for a scheduler tick (~1-4 ms) right
+    # after it leaves a collective, so only causality (no rank leaves before the last
+    # arrived, within 1 ms) is held to the 2-rank runs' bound here, not how close the ends are
+    merged = _check_traces(tmp_path / "out.timeline", 3, ends_us=5000)
+    steps = _spans(merged, "step")   # a custom loop's, marked with matex.timeline.step
+    assert sorted(e["args"]["step"] for e in steps) == [30, 30, 30, 31, 31, 31, 32, 32, 32]
+    assert all(e["args"]["collectives"] >= 1 for e in steps)   # its gradient allreduce
+    assert len(_spans(merged, "phase")) == 3 * len(steps)
 
 
 def test_unwritable_directory_fails_at_start(tmp_path):

@@ -11,7 +11,8 @@ chrome://tracing or https://ui.perfetto.dev.
 
 What it shows per collective: the wait for the slowest rank, the agreement
 check, the transfer and the bytes (plus the tensors of a fused bucket); per
-``fit`` step: forward+backward, allreduce and apply; per batch the readers
+training step (``fit``'s, or a custom loop's marked with ``step``):
+forward+backward, allreduce and apply; per batch the readers
 make: shuffle, read and decode (``span``). When no timeline is asked for,
 nothing of this runs.
 """
@@ -24,7 +25,7 @@ import time
 from matex import _config
 from matex.timeline._writer import TimelineError, Writer, check_writable, filename
 
-__all__ = ["start", "stop", "active", "span", "TimelineError", "check_writable", "filename"]
+__all__ = ["start", "stop", "active", "step", "span", "TimelineError", "check_writable", "filename"]
 
 _writer = None
 _lock = threading.Lock()
@@ -128,6 +129,42 @@ class _Span:
         self.writer.record(self.tid, self.name, self.t0, time.time(), self.args or None,
                            cat="reader")
         return False
+
+
+class _Step:
+    __slots__ = ("writer", "number")
+
+    def __init__(self, writer, number):
+        self.writer, self.number = writer, number
+
+    def __enter__(self):
+        self.writer.step_begin(self.number)
+        return self
+
+    def __exit__(self, *exc):
+        self.writer.step_end(self.number)
+        return False
+
+
+_next_step = 0
+
+
+def step(number: int = None):
+    """``with matex.timeline.step(i): train_step(...)`` marks a custom loop's training step.
+
+    What ``fit`` gets from its callback: the step's span with its phases
+    (forward+backward, allreduce, apply), and ``--timeline-steps`` sampling
+    by ``number`` (default: one more than the last step marked this way,
+    from 0). A no-op context when no timeline is being written.
+    """
+    global _next_step
+    if number is None:
+        number = _next_step
+    _next_step = int(number) + 1
+    w = _writer
+    if w is None:
+        return _OFF
+    return _Step(w, int(number))
 
 
 def span(name: str, **args):

@@ -4,8 +4,10 @@ Usage: timeline_fit.py OUT STEPS [api]
 
 Trains STEPS steps in 2 epochs on 2 dense layers (4 variables, one fused
 bucket), then writes OUT.<rank>.json: the History and the optimizer's step
-count. "api": starts and stops the timeline with ``matex.timeline.start``
-and ``stop`` (directory OUT.timeline) instead of the environment. With
+count. "api": a custom loop instead of fit, its steps marked with
+``matex.timeline.step``; starts and stops the timeline with
+``matex.timeline.start`` and ``stop`` (directory OUT.timeline) instead of
+the environment. With
 TEST_H5 set, the rows come from that HDF5 file through ``matex.readers``.
 """
 
@@ -27,11 +29,35 @@ model = keras.Sequential([keras.Input((8,)), keras.layers.Dense(16, activation="
                           keras.layers.Dense(2)])
 model.compile(optimizer=keras.optimizers.SGD(0.01),
               loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
-if api:
+if api:   # a custom loop, its steps marked with matex.timeline.step
+    import tensorflow as tf
+
+    import matex
     from matex import timeline
 
     timeline.start(out + ".timeline", steps=os.environ.get("TEST_STEPS") or None)
-if os.environ.get("TEST_H5"):   # the same rows through matex.readers (global batch 16)
+    optimizer, loss_fn = model.optimizer, model.loss
+
+    @tf.function
+    def train(xb, yb):
+        with tf.GradientTape() as tape:
+            loss = loss_fn(yb, model(xb, training=True))
+        # compile's optimizer is distributed under python -m matex: it averages the gradients
+        grads = tape.gradient(loss, model.trainable_variables)
+        optimizer.apply_gradients(zip(grads, model.trainable_variables))
+        return loss
+
+    per = batch // matex.size()
+    losses = []
+    for epoch in range(2):
+        for i in range(steps):
+            lo = i * batch + matex.rank() * per
+            with timeline.step():
+                losses.append(float(train(x[lo:lo + per], y[lo:lo + per])))
+
+    class history:   # noqa: N801 - what the report below reads from fit's History
+        history = {"loss": losses}
+elif os.environ.get("TEST_H5"):   # the same rows through matex.readers (global batch 16)
     from matex.readers import DataSet
 
     data = DataSet(os.environ["TEST_H5"], features="x", labels="y", batch_size=batch,
