@@ -65,6 +65,9 @@ def test_delay_one_is_the_delayed_trajectory_bitwise_equal_every_step(ranks, mom
         assert all(r["delay_loop_equal_" + momentum])
         assert r["delay_pending_before_flush_" + momentum]
         assert r["delay_flushed_" + momentum] and not r["delay_flush_again_" + momentum]
+        # blocking allreduces ran on the data communicator while requests were outstanding
+        assert r["delay_blocking_losses_" + momentum] == ranks[0]["delay_blocking_losses_"
+                                                                   + momentum] > 0
         # the reference is not the undelayed run
         assert r["delay_vs_undelayed_" + momentum] > 1e-3
 

@@ -53,13 +53,19 @@ def gap(a, b):
     return max(float(np.max(np.abs(x - y))) for x, y in zip(a, b))
 
 
-def custom_loop(optimizer, each_step=None):
+losses = tf.Variable(0.0)
+
+
+def custom_loop(optimizer, each_step=None, blocking_too=False):
     m = model()
 
     @tf.function
     def step(x, y):
         with tf.GradientTape() as tape:
             loss = loss_fn(y, m(x, training=True))
+        if blocking_too:   # a blocking allreduce on the data communicator, while the
+            # previous step's non-blocking one is still outstanding
+            losses.assign_add(matex.allreduce(loss, "sum"))
         grads = tape.gradient(loss, m.trainable_variables)
         optimizer.apply(grads, m.trainable_variables)
 
@@ -158,7 +164,9 @@ for momentum in (0.0, 0.9):
         equal.append(same_everywhere(m))
 
     opt = matex.DistributedOptimizer(keras.optimizers.SGD(LR, momentum=momentum), delay=1)
-    m = custom_loop(opt, check)
+    losses.assign(0.0)
+    m = custom_loop(opt, check, blocking_too=True)
+    results["delay_blocking_losses_%s" % momentum] = float(losses.numpy())
     results["delay_vs_undelayed_%s" % momentum] = gap(
         weights(m), dp_momentum if momentum else dp)
     results["delay_pending_before_flush_%s" % momentum] = bool(
