@@ -137,7 +137,7 @@ def quality(args):
     import multiprocessing
 
     seeds = [1 + 7919 * k for k in range(2 if args.quick else 10)]
-    budgets = (10, 20) if args.quick else (40, 100)
+    budgets = (6, 12) if args.quick else (40, 100)
     tasks = [(a, f, s, budgets[-1]) for f in FUNCTIONS for a in ALGORITHMS for s in seeds]
     workers = min(len(tasks), len(os.sched_getaffinity(0)))
     with multiprocessing.get_context("spawn").Pool(workers) as pool:
