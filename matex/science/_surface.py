@@ -406,6 +406,17 @@ def loss_surface(model, data, directions="random", resolution=(51, 51), span=1.0
                 server = None
             _runtime._set_comm(world.Shrink())
         surface = _runtime.control().bcast(queue.store.values if queue else None, root=0)
+    except BaseException as exc:
+        if queue is not None:
+            # rank 0 serves the queue: tell every other group before its server goes, or
+            # their leaders would wait for a next point forever
+            with queue.lock:
+                queue.error = queue.error or "rank 0 failed: %s: %s" % (type(exc).__name__, exc)
+                queue.finished.add(groups.index)
+            deadline = time.monotonic() + 300
+            while len(queue.finished) < groups.count and time.monotonic() < deadline:
+                time.sleep(0.01)
+        raise
     finally:
         if server is not None:
             server.stop()

@@ -116,6 +116,26 @@ def test_surface_equals_analytic_one_process_values(per_point):
     np.testing.assert_array_equal(model.get_weights()[0], w)   # weights put back
 
 
+def test_a_failure_on_rank_0_ends_every_group_without_a_hang(monkeypatch):
+    """Rank 0 serves the point queue: when its own point raises, the other groups learn
+    it at their next request and raise too (they used to wait for a next point forever)."""
+    calls = []
+    loss = _objective.Objective.loss
+
+    def failing(self):
+        calls.append(1)
+        if matex.rank() == 0 and len(calls) == 2:
+            raise FloatingPointError("injected on rank 0")
+        return loss(self)
+
+    monkeypatch.setattr(_objective.Objective, "loss", failing)
+    expected = "injected on rank 0" if matex.rank() == 0 else "another rank group failed"
+    with pytest.raises((FloatingPointError, RuntimeError), match=expected):
+        science.loss_surface(linear_model(), (X, Y), resolution=(6, 6), ranks_per_point=1,
+                             batch_size=16, verbose=0)
+    matex.comm().Barrier()   # every rank got here: nobody waits
+
+
 def test_surface_of_a_nonlinear_model_equals_one_process_loss_and_evaluate():
     model = mlp()
     weights = [v.numpy() for v in model.trainable_weights]
