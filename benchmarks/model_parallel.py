@@ -1,6 +1,6 @@
-"""Model parallelism: the pipeline bubble and memory per rank (sections of issue #13).
+"""Model parallelism: tensor split, pipeline bubble and memory per rank (issue #13).
 
-    python benchmarks/model_parallel.py [--quick] [--only pipeline|memory]
+    python benchmarks/model_parallel.py [--quick] [--only tensor|pipeline|memory]
 
 **pipeline** (bubble): an MLP of P stages (two Dense layers per stage, sized so
 one stage's forward + backward on a batch takes >= 20 ms on one core) trained

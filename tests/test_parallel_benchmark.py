@@ -35,3 +35,23 @@ def test_tensor_parallel_benchmark_quick(tmp_path):
             or line.startswith("| tensor")]
     assert len(rows) == 2, proc.stdout
     assert "each rank holds about half the parameters: MET" in proc.stdout
+
+
+def test_pipeline_bubble_benchmark_quick(tmp_path):
+    """--quick --only pipeline: P = 2 at M = 1 and 4, finite figures against the same
+    run's one-process step, and the ideal bubble printed beside them."""
+    out = tmp_path / "pp.json"
+    env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2", MATEX_FLIGHT_DIR=str(tmp_path / "flight"))
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks" / "model_parallel.py"), "--quick",
+         "--only", "pipeline", "--json", str(out)],
+        cwd=ROOT, env=env, capture_output=True, text=True, timeout=400)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+    r = json.loads(out.read_text())["bubble_P2"]
+    assert sorted(int(m) for m in r["pipeline_s"]) == [1, 4]
+    assert all(math.isfinite(v) and v > 0 for v in r["pipeline_s"].values())
+    assert math.isfinite(r["reference_s"]) and r["reference_s"] > 0
+    rows = [line.split("|")[1:-1] for line in proc.stdout.splitlines()
+            if line.startswith("| 2 ")]
+    assert [row[1].strip() for row in rows] == ["1", "4"], proc.stdout
+    assert [row[6].strip() for row in rows] == ["2.00", "1.25"]   # (M + P - 1) / M
