@@ -74,8 +74,9 @@ class PowerSGD(Compressor):
         if entry is None or entry[0] is not owner:
             _, m = as_matrix_shape(item.grad.shape)
             r, dtype = self._rank_of(item), item.grad.dtype
-            start = (lambda: tf.random.stateless_normal(   # the same on every rank
-                [m, r], [self.seed, i], dtype=dtype))
+            def start():   # the same on every rank
+                return tf.random.stateless_normal([m, r], [self.seed, i], dtype=dtype)
+
             entry = (owner, _state_variable(start, "matex_powersgd_q"))
             self._q[key] = entry
         return entry[1]
