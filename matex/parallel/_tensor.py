@@ -116,7 +116,28 @@ class _TensorParallel(keras.layers.Layer):
         return parameter_bytes(self)
 
 
-class ColumnParallelDense(_TensorParallel):
+class _ParallelDense(_TensorParallel):
+    """What the two split Dense layers share: Dense's arguments and their config."""
+
+    def __init__(self, units, activation, use_bias, kernel_initializer, bias_initializer,
+                 grid, **kwargs):
+        super().__init__(grid=grid, **kwargs)
+        self.units = int(units)
+        self.activation = keras.activations.get(activation)
+        self.use_bias = use_bias
+        self.kernel_initializer = keras.initializers.get(kernel_initializer)
+        self.bias_initializer = keras.initializers.get(bias_initializer)
+
+    def get_config(self):
+        config = super().get_config()
+        config.update(units=self.units, activation=keras.activations.serialize(self.activation),
+                      use_bias=self.use_bias,
+                      kernel_initializer=keras.initializers.serialize(self.kernel_initializer),
+                      bias_initializer=keras.initializers.serialize(self.bias_initializer))
+        return config
+
+
+class ColumnParallelDense(_ParallelDense):
     """Dense layer whose output features are split over the tensor group.
 
     Each rank holds ``units / T`` columns of the kernel (and bias). The input
@@ -128,13 +149,9 @@ class ColumnParallelDense(_TensorParallel):
     def __init__(self, units: int, activation=None, use_bias: bool = True,
                  kernel_initializer="glorot_uniform", bias_initializer="zeros",
                  gather_output: bool = True, grid=None, **kwargs):
-        super().__init__(grid=grid, **kwargs)
-        self.units = int(units)
+        super().__init__(units, activation, use_bias, kernel_initializer, bias_initializer,
+                         grid, **kwargs)
         self.local_units = _split(self.units, self.tensor_size, "units", type(self).__name__)
-        self.activation = keras.activations.get(activation)
-        self.use_bias = use_bias
-        self.kernel_initializer = keras.initializers.get(kernel_initializer)
-        self.bias_initializer = keras.initializers.get(bias_initializer)
         self.gather_output = gather_output
 
     def build(self, input_shape):
@@ -163,16 +180,10 @@ class ColumnParallelDense(_TensorParallel):
             self.units if self.gather_output else self.local_units,)
 
     def get_config(self):
-        config = super().get_config()
-        config.update(units=self.units, activation=keras.activations.serialize(self.activation),
-                      use_bias=self.use_bias,
-                      kernel_initializer=keras.initializers.serialize(self.kernel_initializer),
-                      bias_initializer=keras.initializers.serialize(self.bias_initializer),
-                      gather_output=self.gather_output)
-        return config
+        return dict(super().get_config(), gather_output=self.gather_output)
 
 
-class RowParallelDense(_TensorParallel):
+class RowParallelDense(_ParallelDense):
     """Dense layer whose input features are split over the tensor group.
 
     Each rank holds ``in_features / T`` rows of the kernel and computes a
@@ -186,12 +197,8 @@ class RowParallelDense(_TensorParallel):
     def __init__(self, units: int, activation=None, use_bias: bool = True,
                  kernel_initializer="glorot_uniform", bias_initializer="zeros",
                  input_is_parallel: bool = True, grid=None, **kwargs):
-        super().__init__(grid=grid, **kwargs)
-        self.units = int(units)
-        self.activation = keras.activations.get(activation)
-        self.use_bias = use_bias
-        self.kernel_initializer = keras.initializers.get(kernel_initializer)
-        self.bias_initializer = keras.initializers.get(bias_initializer)
+        super().__init__(units, activation, use_bias, kernel_initializer, bias_initializer,
+                         grid, **kwargs)
         self.input_is_parallel = input_is_parallel
 
     def build(self, input_shape):
@@ -224,13 +231,7 @@ class RowParallelDense(_TensorParallel):
         return tuple(input_shape[:-1]) + (self.units,)
 
     def get_config(self):
-        config = super().get_config()
-        config.update(units=self.units, activation=keras.activations.serialize(self.activation),
-                      use_bias=self.use_bias,
-                      kernel_initializer=keras.initializers.serialize(self.kernel_initializer),
-                      bias_initializer=keras.initializers.serialize(self.bias_initializer),
-                      input_is_parallel=self.input_is_parallel)
-        return config
+        return dict(super().get_config(), input_is_parallel=self.input_is_parallel)
 
 
 class ParallelConv2D(_TensorParallel):
