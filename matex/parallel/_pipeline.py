@@ -388,13 +388,18 @@ class PipelineModel(keras.Model):
 
     # ---- Keras steps ------------------------------------------------------------
 
-    def train_step(self, data):
+    def _replica_batch(self, data):
+        """This data replica's share of a step's batch, and its row count (checked)."""
         x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(data)
         rows = tf.shape(keras.tree.flatten(y if x is None else x)[0])[0]
         with tf.control_dependencies([self._check_rows(rows)]):
             rows = tf.identity(rows // self._layout.data_size)
         x, y, sample_weight = self._replica_share((x, y, sample_weight),
                                                   rows * self._layout.data_size)
+        return x, y, sample_weight, rows
+
+    def train_step(self, data):
+        x, y, sample_weight, rows = self._replica_batch(data)
         weights = list(self.stage.trainable_variables)
         grads = self._run(x, y, sample_weight, rows, train=True)
         if self._layout.data_size > 1:
@@ -403,12 +408,7 @@ class PipelineModel(keras.Model):
         return self.get_metrics_result()
 
     def test_step(self, data):
-        x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(data)
-        rows = tf.shape(keras.tree.flatten(y if x is None else x)[0])[0]
-        with tf.control_dependencies([self._check_rows(rows)]):
-            rows = tf.identity(rows // self._layout.data_size)
-        x, y, sample_weight = self._replica_share((x, y, sample_weight),
-                                                  rows * self._layout.data_size)
+        x, y, sample_weight, rows = self._replica_batch(data)
         self._run(x, y, sample_weight, rows, train=False)
         return self.get_metrics_result()
 
