@@ -78,6 +78,31 @@ def on_rank_loss(function):
     return function
 
 
+_vetoes = []   # run first by recover(); one raises when this job must not shrink and go on
+
+
+def add_recovery_veto(function):
+    """Make ``recover()`` call ``function()`` first; it raises (e.g. ``RankFailure``) when
+    the job cannot go on without the lost ranks (a model-parallel grid: their weights
+    exist nowhere else). Returns ``function``."""
+    _vetoes.append(function)
+    return function
+
+
+def remove_recovery_veto(function):
+    if function in _vetoes:
+        _vetoes.remove(function)
+
+
+def veto_failure(exc):
+    """Where no recovery loop runs (a ``fit`` whose model was compiled with an explicit
+    ``DistributedOptimizer``), a rank failure still meets the vetoes: one of them raises
+    its own error in place of ``exc``; otherwise this returns and the caller re-raises."""
+    if _vetoes and mode() == "ulfm" and is_failure(exc):
+        for veto in list(_vetoes):
+            veto()
+
+
 def recover():
     """Revoke, shrink and agree; install the survivors' communicator. Returns RankLoss.
 
@@ -88,6 +113,8 @@ def recover():
 
     started = time.time()
     _dump_flight()
+    for veto in list(_vetoes):
+        veto()
     old = _runtime.comm()
     control = _runtime.control()
     old_size = old.Get_size()

@@ -116,7 +116,11 @@ def fit(original):
                 bound.arguments["callbacks"] = observers + list(bound.arguments["callbacks"]
                                                                 or [])
                 args, kwargs = bound.args[1:], bound.kwargs
-            return explicit(self, original, args, kwargs)
+            try:
+                return explicit(self, original, args, kwargs)
+            except Exception as exc:
+                _resilience.veto_failure(exc)   # e.g. a model-parallel grid's RankFailure
+                raise
         from matex.callbacks import (BroadcastGlobalVariablesCallback,
                                      LearningRateWarmupCallback, check_learning_rate_settable)
 

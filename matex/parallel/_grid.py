@@ -23,7 +23,7 @@ from typing import Optional
 
 from mpi4py import MPI
 
-from matex import _runtime
+from matex import _resilience, _runtime
 
 _active = None
 
@@ -58,6 +58,8 @@ class Grid:
         self.world_slot = _runtime.register_comm(self.world_comm)
         _runtime._set_comm(self.data_comm)   # MaTEx now owns (and will free) it
         self._closed = False
+        if pipeline * tensor > 1:   # a lost rank's weights exist nowhere else
+            _resilience.add_recovery_veto(self._refuse_recovery)
 
     def world_rank_of(self, data: Optional[int] = None, pipeline: Optional[int] = None,
                       tensor: Optional[int] = None) -> int:
@@ -93,6 +95,7 @@ class Grid:
         if self._closed:
             return
         self._closed = True
+        _resilience.remove_recovery_veto(self._refuse_recovery)
         for slot in (self.pipeline_slot, self.tensor_slot, self.world_slot):
             _runtime.release_comm(slot)
         _runtime._set_comm(self.world_comm)   # frees the data communicator
@@ -105,6 +108,20 @@ class Grid:
         if _active is self:
             _active = None
 
+    def _refuse_recovery(self):
+        """MaTEx's recovery (shrink the data communicator, go on) cannot rebuild a
+        model-parallel grid: end the run with ``RankFailure`` naming the lost ranks."""
+        from matex.errors import RankFailure
+
+        lost = revoke_and_find_lost([self.pipeline_comm, self.tensor_comm, _runtime.comm()],
+                                    self.world_comm)
+        raise RankFailure(
+            "matex.parallel: rank(s) %s of this %d x %d x %d grid failed; a pipeline- or "
+            "tensor-parallel run cannot recover from a rank failure (a lost rank's weights "
+            "exist nowhere else), so the job ends. Restart it from a checkpoint."
+            % (", ".join(map(str, lost)) if lost else "?", self.data_size, self.pipeline_size,
+               self.tensor_size), lost)
+
     def __enter__(self):
         return self
 
@@ -115,6 +132,26 @@ class Grid:
         return ("Grid(data=%d, pipeline=%d, tensor=%d; this rank %d at (%d, %d, %d))"
                 % (self.data_size, self.pipeline_size, self.tensor_size, self.world_rank,
                    self.data_rank, self.pipeline_rank, self.tensor_rank))
+
+
+def revoke_and_find_lost(comms, world) -> list:
+    """Revoke ``comms`` and ``world`` (every rank still blocked in one of them fails
+    instead of hanging) and return the failed ranks of ``world`` (ULFM; else [])."""
+    if _resilience.mode() != "ulfm":
+        return []
+    for c in list(comms) + [world, _runtime.control()]:
+        try:
+            c.Revoke()
+        except MPI.Exception:
+            pass   # already revoked, or freed
+    try:
+        world.Ack_failed()
+        group = world.Get_failed()
+        ranks = MPI.Group.Translate_ranks(group, list(range(group.Get_size())),
+                                          world.Get_group())
+        return sorted(r for r in ranks if r >= 0)
+    except MPI.Exception:
+        return []
 
 
 def grid(data: Optional[int] = None, pipeline: int = 1, tensor: int = 1) -> Grid:

@@ -528,30 +528,13 @@ class PipelineModel(keras.Model):
 
     def _lost_ranks(self):
         """World ranks (of the pipeline's grid) that failed, after revoking its communicators."""
-        from mpi4py import MPI
+        from matex.parallel._grid import revoke_and_find_lost
 
-        from matex import _resilience
-
-        control = self._layout.control
-        if _resilience.mode() != "ulfm":
-            return []
-        comms = [control, _runtime.comm()]
+        comms = [_runtime.comm()]
         g = self._layout.grid
         if g is not None:
             comms += [g.pipeline_comm, g.tensor_comm, g.world_comm]
-        for c in comms:
-            try:
-                c.Revoke()
-            except MPI.Exception:
-                pass   # already revoked
-        try:
-            control.Ack_failed()
-            group = control.Get_failed()
-            ranks = MPI.Group.Translate_ranks(group, list(range(group.Get_size())),
-                                              control.Get_group())
-            return sorted(r for r in ranks if r >= 0)
-        except MPI.Exception:
-            return []
+        return revoke_and_find_lost(comms, self._layout.control)
 
     def _quiet(self, verbose):
         return verbose if self._layout.world_rank == 0 else 0
