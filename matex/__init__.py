@@ -23,6 +23,7 @@ if _config.ft_requested():
     _mpi4py.rc.finalize = False
 
 from matex._runtime import comm, init, local_rank, local_size, rank, size  # noqa: E402
+from matex import _lazy  # noqa: E402
 from matex import errors  # noqa: E402 - typed errors; imports neither MPI nor TF
 from matex import _runtime as _runtime_module  # noqa: E402
 
@@ -65,19 +66,6 @@ _LAZY = {
 }
 
 
-def __getattr__(name):
-    # TensorFlow is imported on first use of a TF-facing name, so that
-    # `import matex` stays cheap (and usable for launching and readers).
-    module = _LAZY.get(name)
-    if module is None:
-        raise AttributeError("module 'matex' has no attribute %r" % name)
-    import importlib
-
-    mod = importlib.import_module(module)
-    value = getattr(mod, name)
-    globals()[name] = value
-    return value
-
-
-def __dir__():
-    return sorted(set(globals()) | set(__all__))
+# TensorFlow is imported on first use of a TF-facing name, so that
+# `import matex` stays cheap (and usable for launching and readers).
+__getattr__, __dir__ = _lazy.attach(__name__, _LAZY, __all__)

@@ -18,6 +18,8 @@ __all__ = [
     "minimize", "ensemble",
 ]
 
+from matex import _lazy
+
 _LAZY = {
     "LazyGP": "matex.hpo._lazy_gp",
     "GeneticOracle": "matex.hpo._genetic",
@@ -29,17 +31,5 @@ _LAZY = {
 }
 
 
-def __getattr__(name):
-    # keras_tuner, TensorFlow and MPI are imported on first use of a name
-    module = _LAZY.get(name)
-    if module is None:
-        raise AttributeError("module 'matex.hpo' has no attribute %r" % name)
-    import importlib
-
-    value = getattr(importlib.import_module(module), name)
-    globals()[name] = value
-    return value
-
-
-def __dir__():
-    return sorted(set(globals()) | set(__all__))
+# keras_tuner, TensorFlow and MPI are imported on first use of a name
+__getattr__, __dir__ = _lazy.attach(__name__, _LAZY, __all__)

@@ -18,6 +18,8 @@ __all__ = [
     "parameter_bytes",
 ]
 
+from matex import _lazy  # noqa: E402
+
 _LAZY = {
     "send": "matex.parallel._p2p",
     "recv": "matex.parallel._p2p",
@@ -34,16 +36,4 @@ _LAZY = {
 }
 
 
-def __getattr__(name):
-    module = _LAZY.get(name)
-    if module is None:
-        raise AttributeError("module 'matex.parallel' has no attribute %r" % name)
-    import importlib
-
-    value = getattr(importlib.import_module(module), name)
-    globals()[name] = value
-    return value
-
-
-def __dir__():
-    return sorted(set(globals()) | set(__all__))
+__getattr__, __dir__ = _lazy.attach(__name__, _LAZY, __all__)
