@@ -32,6 +32,14 @@ REGISTER_OP("MatexSend")
     .Doc("Sends `tensor` to rank `dest`; returns a zero scalar (the token backprop "
          "attaches to: its gradient receives the gradient from `dest`).");
 
+// The output's shape is the value of input 1 (the shape to receive).
+static absl::Status ShapeFromInput1(InferenceContext* c) {
+  ShapeHandle out;
+  TF_RETURN_IF_ERROR(c->MakeShapeFromShapeTensor(1, &out));
+  c->set_output(0, out);
+  return absl::OkStatus();
+}
+
 REGISTER_OP("MatexRecv")
     .Input("token: T")
     .Input("shape: int64")
@@ -41,12 +49,7 @@ REGISTER_OP("MatexRecv")
     .Attr("tag: int = 0")
     .Attr("comm: int = 0")
     .SetIsStateful()
-    .SetShapeFn([](InferenceContext* c) {
-      ShapeHandle out;
-      TF_RETURN_IF_ERROR(c->MakeShapeFromShapeTensor(1, &out));
-      c->set_output(0, out);
-      return absl::OkStatus();
-    })
+    .SetShapeFn(ShapeFromInput1)
     .Doc("Receives a tensor of `shape` from rank `source`. `token` (a scalar) is "
          "not read: it gives backprop a path to this op.");
 
@@ -61,12 +64,7 @@ REGISTER_OP("MatexSendRecv")
     .Attr("tag: int = 0")
     .Attr("comm: int = 0")
     .SetIsStateful()
-    .SetShapeFn([](InferenceContext* c) {
-      ShapeHandle out;
-      TF_RETURN_IF_ERROR(c->MakeShapeFromShapeTensor(1, &out));
-      c->set_output(0, out);
-      return absl::OkStatus();
-    })
+    .SetShapeFn(ShapeFromInput1)
     .Doc("Sends `tensor` to `dest` and receives a tensor of `recv_shape` from "
          "`source`, overlapped.");
 
