@@ -181,6 +181,10 @@ class Delayed:
                 self.inner_apply(previous, self.variables)
         return bool(valid)
 
+    def recovery_state(self, optimizer, variables):
+        """The recovery loop's state for this path (``_recovery.optimizer_states``)."""
+        return DelayState(self)
+
     def drop(self):
         """Forget the gradient in flight (after a rank failure: it died with the communicator)."""
         if self.handles is not None:
