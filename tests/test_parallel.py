@@ -14,3 +14,32 @@ def test_parallel_tensor_suite(nranks, tmp_path):
     env = dict(os.environ, MATEX_FLIGHT_DIR=str(tmp_path / "flight"))
     assert mpitools.run_suite(nranks, ["test_parallel_tp.py"], tmp_path / "reports",
                               env=env, timeout=600) >= 15
+
+
+def test_data_pipeline_tensor_2x2x2_suite(tmp_path):
+    """8 ranks, D x P x T = 2 x 2 x 2: fit equal to one process, 1/(P*T) of the
+    parameters per rank, replicas bitwise equal; the saved file (tensor shards
+    gathered) loads here with plain Keras and predicts like the 1-process model."""
+    import os
+
+    import keras
+    import numpy as np
+
+    out = tmp_path / "saved"
+    out.mkdir()
+    # one test does it all: more than the default 180 s when 8 ranks share 2 loaded cores
+    env = dict(os.environ, MATEX_FLIGHT_DIR=str(tmp_path / "flight"),
+               MATEX_PIPELINE_SAVE_DIR=str(out), MATEX_TEST_TIMEOUT="420")
+    assert mpitools.run_suite(8, ["test_parallel_3d.py"], tmp_path / "reports",
+                              env=env, timeout=600) == 1
+    whole = keras.models.load_model(out / "dp_pp_tp.keras")
+    # ordinary Keras layers only: the shards became whole Dense layers
+    assert {type(layer).__name__ for layer in whole.layers} == {"Dense", "Identity"}
+    assert all(type(layer).__module__.startswith("keras.") for layer in whole.layers)
+    assert [tuple(layer.kernel.shape) for layer in whole.layers if layer.weights] == [
+        (6, 16), (16, 12), (12, 24), (24, 3)]
+    x = np.load(out / "x.npy")
+    np.testing.assert_allclose(whole.predict(x, verbose=0), np.load(out / "reference.npy"),
+                               rtol=1e-4, atol=1e-5)
+    np.testing.assert_allclose(whole.predict(x, verbose=0), np.load(out / "pipelined.npy"),
+                               rtol=1e-5, atol=1e-6)

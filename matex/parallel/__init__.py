@@ -15,7 +15,7 @@ __all__ = [
     "grid", "Grid",
     "PipelineModel", "StageBoundary",
     "ColumnParallelDense", "RowParallelDense", "ParallelConv2D", "shard_layer",
-    "parameter_bytes",
+    "parameter_bytes", "gather_model", "save_model",
 ]
 
 from matex import _lazy  # noqa: E402
@@ -33,6 +33,8 @@ _LAZY = {
     "ParallelConv2D": "matex.parallel._tensor",
     "shard_layer": "matex.parallel._tensor",
     "parameter_bytes": "matex.parallel._tensor",
+    "gather_model": "matex.parallel._tensor",
+    "save_model": "matex.parallel._tensor",
 }
 
 

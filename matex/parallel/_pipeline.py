@@ -209,7 +209,8 @@ class PipelineModel(keras.Model):
         g = self._layout.grid
         if g is None:
             return self._layout.pipeline_size - 1
-        return g.world_rank_of(pipeline=self._layout.pipeline_size - 1)
+        # the same root on every rank (the last stage's first data replica and tensor shard)
+        return g.world_rank_of(data=0, pipeline=self._layout.pipeline_size - 1, tensor=0)
 
     def call(self, inputs, training=False):
         rows = tf.shape(keras.tree.flatten(inputs)[0])[0]
@@ -569,29 +570,53 @@ class PipelineModel(keras.Model):
     def gather_model(self, root: int = 0):
         """The whole model, every stage's weights in it, on world rank ``root`` (None elsewhere).
 
-        Collective. ``StageBoundary`` layers become ``keras.layers.Identity``, so the
-        result is plain Keras. Tensor-parallel shards are not gathered (T must be 1).
+        Collective. ``StageBoundary`` layers become ``keras.layers.Identity`` and
+        tensor-parallel layers (``ColumnParallelDense``, ``RowParallelDense``,
+        ``ParallelConv2D``) the ordinary ``Dense`` / ``Conv2D`` they split, their
+        shards concatenated over the tensor group, so the result is plain Keras.
+        Data replica 0 provides the weights (the replicas are equal).
         """
+        from matex.parallel import _tensor
+
         self._require_built()
         L = self._layout
-        if L.tensor_size > 1:
-            raise NotImplementedError("matex.parallel: gathering a pipeline whose stages are "
-                                      "tensor-parallel is not supported yet")
-        mine = {}
-        if L.data_rank == 0:
-            for name in self.plan.stage_layers[L.pipeline_rank]:
-                layer = self._full.get_layer(name)
-                mine[name] = [np.asarray(v) for v in layer.weights]
-        pieces = L.control.gather(mine, root=root)
+        mine, error = {}, None
+        try:
+            if L.data_rank == 0:
+                for name in self.plan.stage_layers[L.pipeline_rank]:
+                    layer = self._full.get_layer(name)
+                    if isinstance(layer, _tensor._TensorParallel):
+                        if L.grid is None:
+                            raise ValueError(
+                                "matex.parallel: layer %r is tensor-parallel but this pipeline "
+                                "has no grid; pass grid= (the grid its layers use)" % name)
+                        # the whole tensor group takes part; its rank 0 keeps the result
+                        got = _tensor.gathered_layer(layer, L.grid.tensor_comm,
+                                                     keep=L.tensor_rank == 0)
+                        if got is not None:
+                            mine[name] = got[2]
+                    elif L.tensor_rank == 0:
+                        mine[name] = [np.asarray(v) for v in layer.weights]
+        except (ValueError, TypeError) as exc:
+            error = "rank %d: %s: %s" % (L.world_rank, type(exc).__name__, exc)
+        pieces = L.control.gather((mine, error), root=root)
+        if L.world_rank == root:
+            error = next((e for _, e in pieces if e is not None), None)
+        error = L.control.bcast(error, root=root)   # every rank raises the same error
+        if error is not None:
+            raise ValueError("matex.parallel: gathering the pipeline failed on %s" % error)
         if L.world_rank != root:
             return None
         weights = {}
-        for piece in pieces:
+        for piece, _ in pieces:
             weights.update(piece)
 
         def clone(layer):
             if isinstance(layer, StageBoundary):
                 return keras.layers.Identity(name=layer.name)
+            if isinstance(layer, _tensor._TensorParallel):
+                cls, config = _tensor._plain_config(layer)
+                return cls.from_config(config)
             return layer.__class__.from_config(layer.get_config())
 
         whole = keras.models.clone_model(self._full, clone_function=clone)

@@ -29,7 +29,7 @@ False (the ops have no XLA kernels).
 import keras
 import tensorflow as tf
 
-from matex import _collectives
+from matex import _collectives, _compat
 from matex.parallel import _grid
 
 
@@ -356,3 +356,138 @@ def shard_layer(layer, grid=None, kind: str = "column", gather_output: bool = Tr
 def parameter_bytes(model) -> int:
     """Bytes of the weights this rank holds (a tensor-parallel layer: its shard)."""
     return sum(int(tf.size(w)) * tf.as_dtype(w.dtype).size for w in model.weights)
+
+
+def _plain_config(layer) -> tuple:
+    """(class, config) of the ordinary Keras layer a tensor-parallel layer stands for.
+
+    Column/Row-parallel Dense become ``keras.layers.Dense``, ``ParallelConv2D``
+    becomes ``keras.layers.Conv2D`` (channels-last), with the full sizes.
+    """
+    common = dict(name=layer.name, dtype=layer.dtype_policy, trainable=layer.trainable,
+                  activation=keras.activations.serialize(layer.activation),
+                  use_bias=layer.use_bias,
+                  kernel_initializer=keras.initializers.serialize(layer.kernel_initializer),
+                  bias_initializer=keras.initializers.serialize(layer.bias_initializer))
+    if isinstance(layer, ParallelConv2D):
+        return keras.layers.Conv2D, dict(common, filters=layer.filters,
+                                         kernel_size=layer.kernel_size, strides=layer.strides,
+                                         padding=layer.padding,
+                                         dilation_rate=layer.dilation_rate)
+    return keras.layers.Dense, dict(common, units=layer.units)
+
+
+def gathered_layer(layer, tensor_comm, keep: bool = True):
+    """The ordinary Keras layer a tensor-parallel ``layer`` stands for, with its whole weights.
+
+    Collective over ``tensor_comm`` (an mpi4py communicator of the layer's
+    tensor group; every rank of the group calls it for the same layer).
+    Column-split weights (a ``ColumnParallelDense``'s kernel and bias, a
+    ``ParallelConv2D``'s) are concatenated along the output features, a
+    ``RowParallelDense``'s kernel along its input features (its bias is
+    replicated). Returns ``(class, config, weights)`` (numpy arrays in
+    ``get_weights`` order) on the ranks where ``keep`` is true, else None:
+    the result is plain Keras, so a model holding it saves and loads without
+    MaTEx. ``gather_output`` / ``input_is_parallel`` do not matter: the
+    plain layer computes the whole output from the whole input, so a chain of
+    split layers becomes the same chain unsplit.
+    """
+    import numpy as np
+
+    if not isinstance(layer, _TensorParallel):
+        raise TypeError("gathered_layer: %s is not a tensor-parallel layer"
+                        % type(layer).__name__)
+    if not layer.built:
+        raise ValueError("gathered_layer: %s is not built" % layer.name)
+    if tensor_comm.Get_size() != layer.tensor_size:
+        raise ValueError("gathered_layer: %s is split %d ways, but the communicator has %d "
+                         "ranks" % (layer.name, layer.tensor_size, tensor_comm.Get_size()))
+    mine = [np.asarray(layer.kernel)] + ([np.asarray(layer.bias)] if layer.use_bias else [])
+    everyone = tensor_comm.allgather(mine)
+    if not keep:
+        return None
+    row = isinstance(layer, RowParallelDense)
+    kernel_axis = 0 if row else len(mine[0].shape) - 1
+    weights = [np.concatenate([w[0] for w in everyone], axis=kernel_axis)]
+    if layer.use_bias:
+        weights.append(mine[1] if row else np.concatenate([w[1] for w in everyone], axis=0))
+    cls, config = _plain_config(layer)
+    return cls, config, weights
+
+
+def gather_model(model, grid=None, root: int = 0):
+    """A plain Keras copy of ``model`` with whole weights, on world rank ``root`` (None elsewhere).
+
+    For a (non-pipelined) model holding ``ColumnParallelDense``,
+    ``RowParallelDense`` or ``ParallelConv2D`` layers: each becomes the
+    ``Dense`` / ``Conv2D`` it splits, its shards concatenated over the tensor
+    group (``gathered_layer``); other layers keep ``root``'s weights (they are
+    replicated). Collective over the grid's ranks (default: the open grid);
+    an error on any rank is raised on every rank. ``root`` is a rank of the
+    grid's ``world_comm``. For a ``PipelineModel`` use its own ``save``.
+    """
+    import numpy as np
+
+    grid = grid if grid is not None else _grid.current()
+    if grid is None:
+        raise ValueError("gather_model: no grid: open one with matex.parallel.grid(...) or "
+                         "pass grid=")
+    world = grid.world_comm
+    keep = world.Get_rank() == root
+    gathered, error = {}, None
+    try:
+        layers = [layer for layer in model.layers if isinstance(layer, _TensorParallel)]
+        nested = [layer.name for layer in _compat.flatten_layers(model)
+                  if isinstance(layer, _TensorParallel) and layer not in layers]
+        if nested:
+            raise ValueError("tensor-parallel layer(s) %s sit in a nested model; only "
+                             "top-level ones are gathered" % ", ".join(nested))
+        for layer in layers:
+            got = gathered_layer(layer, grid.tensor_comm, keep=keep)
+            if got is not None:
+                gathered[id(layer)] = got
+    except (ValueError, TypeError) as exc:
+        error = "rank %d: %s: %s" % (world.Get_rank(), type(exc).__name__, exc)
+    errors = world.allgather(error)
+    failed = next((e for e in errors if e is not None), None)
+    if failed is not None:
+        raise ValueError("matex.parallel: gathering %s failed on %s" % (model.name, failed))
+    if not keep:
+        return None
+
+    def clone(layer):
+        if id(layer) in gathered:
+            cls, config, _ = gathered[id(layer)]
+            return cls.from_config(config)
+        return layer.__class__.from_config(layer.get_config())
+
+    whole = keras.models.clone_model(model, clone_function=clone)
+    by_name = {layer.name: layer for layer in model.layers}
+    for layer in whole.layers:
+        source = by_name.get(layer.name)
+        if source is None or not layer.weights:
+            continue
+        got = gathered.get(id(source))
+        layer.set_weights(got[2] if got is not None else [np.asarray(w) for w in source.weights])
+    return whole
+
+
+def save_model(model, filepath, grid=None, root: int = 0, overwrite: bool = True) -> None:
+    """Save a model with tensor-parallel layers as one plain Keras file (``root`` writes).
+
+    Collective (see ``gather_model``). The file loads with
+    ``keras.models.load_model`` in one process, without MaTEx. The optimizer
+    state is not saved. Raises ``RuntimeError`` on every rank if writing failed.
+    """
+    whole = gather_model(model, grid, root)
+    error = None
+    if whole is not None:
+        try:
+            whole.save(filepath, overwrite=overwrite)
+        except Exception as exc:  # noqa: BLE001 - reported on every rank below
+            error = "%s: %s" % (type(exc).__name__, exc)
+    grid = grid if grid is not None else _grid.current()
+    error = grid.world_comm.bcast(error, root=root)
+    if error is not None:
+        raise RuntimeError("matex.parallel: saving %s failed on rank %d: %s"
+                           % (filepath, root, error))

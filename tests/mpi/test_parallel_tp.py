@@ -291,3 +291,34 @@ def test_shard_layer_and_parameter_bytes():
             mp.shard_layer(conv, g, "row")
     with pytest.raises(ValueError, match="need a grid"):
         mp.ColumnParallelDense(8)
+
+
+def test_save_model_gathers_shards_into_plain_keras(tmp_path):
+    """mp.save_model: the file (written by rank 0) holds plain Conv2D / Dense layers with
+    every shard, loads without MaTEx's classes and predicts like the split model."""
+    x, _ = _data(6, (5, 5, 2), 3, 3)
+    with mp.grid(tensor=T) as g:
+        model = keras.Sequential([
+            keras.Input((5, 5, 2)),
+            mp.ParallelConv2D(4, 3, padding="same", activation="relu",
+                              kernel_initializer=_init(12), bias_initializer=_init(13),
+                              gather_output=True, name="conv"),
+            keras.layers.Flatten(name="flat"),
+            mp.ColumnParallelDense(8, "tanh", kernel_initializer=_init(14),
+                                   bias_initializer=_init(15), gather_output=False, name="col"),
+            mp.RowParallelDense(3, kernel_initializer=_init(16), bias_initializer=_init(17),
+                                name="row")])
+        expected = model.predict(x, verbose=0)
+        path = gather(str(tmp_path / "tp.keras"))[0]   # rank 0's path, on every rank
+        mp.save_model(model, path)
+        assert (mp.gather_model(model, g) is None) == (g.world_rank != 0)
+        if g.world_rank == 0:
+            whole = keras.models.load_model(path)
+            assert [type(layer).__name__ for layer in whole.layers] == [
+                "Conv2D", "Flatten", "Dense", "Dense"]
+            assert [tuple(w.shape) for w in whole.weights] == [
+                (3, 3, 2, 4), (4,), (100, 8), (8,), (8, 3), (3,)]
+            np.testing.assert_allclose(whole.predict(x, verbose=0), expected,
+                                       rtol=1e-5, atol=1e-6)
+    with pytest.raises(ValueError, match="no grid"):
+        mp.save_model(model, path)
