@@ -426,7 +426,7 @@ class GroupOracle:
 
     def __init__(self, local, client, search: Search):
         self.__dict__.update(_local=local, _client=client, _search=search, in_search=False,
-                             finished=False, _current=None, _pending=[])
+                             finished=False, _current=None, _pending=[], _next=None)
 
     def __getattr__(self, name):
         return getattr(self._local, name)
@@ -448,7 +448,9 @@ class GroupOracle:
             # a leader lost meanwhile: the new one asks again and gets the same trial back
             state = None
             if Groups.leader():
-                state = self._client("create_trial", group_id(self._search.groups.index))
+                state, self.__dict__["_next"] = self._next, None
+                if state is None:
+                    state = self._client("create_trial", group_id(self._search.groups.index))
             return _runtime.control().bcast(state, root=0)
 
         state = Groups.resilient(ask)
@@ -480,15 +482,16 @@ class GroupOracle:
                 worst, self._search.groups.world_rank - _runtime.rank() + worst, message)
         search = self._search
         if Groups.leader():
-            if status == "COMPLETED":
-                for trial_id, metrics, step in self._pending:
-                    self._client("update_trial", trial_id, metrics, step)
             files = {}
             if search.scratch is not None:
                 directory = os.path.join(search.scratch, "trial_%s" % trial.trial_id)
                 if os.path.isdir(directory):
                     files = _service.read_tree(directory)
-            self._client("end_trial", trial.get_state(), files)
+            # one round trip: the reports, the result, and the answer to the next
+            # create_trial (Keras Tuner's loop asks for it next), kept until then
+            self.__dict__["_next"] = self._client(
+                "end_trial", trial.get_state(), files, self._pending if status == "COMPLETED"
+                else [], group_id(search.groups.index))
         if search.scratch is not None:
             shutil.rmtree(os.path.join(search.scratch, "trial_%s" % trial.trial_id),
                           ignore_errors=True)

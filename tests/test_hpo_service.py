@@ -1,0 +1,104 @@
+"""The oracle owner's request handler in one process (no MPI): the hand-off between trials.
+
+A group's hand-off from one trial to the next is one request (``end_trial``
+carrying the trial's reports and asking for the next trial), and each file of
+the tuner directory is written once per request, all of them before the
+request is answered: what a takeover reloads already holds the result and the
+trial handed out.
+"""
+
+import json
+import os
+
+import keras_tuner as kt
+import pytest
+
+from matex.hpo import _service, _tuner
+
+
+@pytest.fixture
+def handler(tmp_path):
+    _tuner.install()   # Keras Tuner's JSON writer goes through write_atomically
+    space = kt.HyperParameters()
+    space.Float("x", 0.0, 1.0)
+    oracle = kt.oracles.RandomSearchOracle(objective=kt.Objective("value", "min"), max_trials=3,
+                                           seed=0, hyperparameters=space)
+    oracle._set_project_dir(str(tmp_path), "p")
+    oracle._display.verbose = 0
+    return _service.Handler(oracle, lambda i: os.path.join(str(tmp_path), "p", "trial_" + i), 1)
+
+
+@pytest.fixture
+def writes(monkeypatch):
+    done = []
+    real = _service._write_now
+
+    def write_now(path, data):
+        done.append(os.path.basename(os.path.dirname(path)) + "/" + os.path.basename(path))
+        real(path, data)
+
+    monkeypatch.setattr(_service, "_write_now", write_now)
+    return done
+
+
+def _on_disk(handler):
+    with open(os.path.join(handler.oracle._project_dir, "oracle.json")) as f:
+        return json.load(f)
+
+
+def test_ending_a_trial_hands_out_the_next_in_the_same_request(handler, writes):
+    group = "matex-group-0"
+    first = handler("create_trial", (group,))
+    first["status"] = "COMPLETED"
+    del writes[:]
+    nxt = handler("end_trial", (first, {"ckpt": b"weights"},
+                                [(first["trial_id"], {"value": 0.25}, 0)], group))
+    assert nxt["status"] == "RUNNING" and nxt["trial_id"] != first["trial_id"]
+    # on disk before the answer: the result, the checkpoint, the trial now running
+    state = _on_disk(handler)
+    assert state["end_order"] == [first["trial_id"]]
+    assert state["ongoing_trials"] == {group: nxt["trial_id"]}
+    assert handler.oracle.get_trial(first["trial_id"]).score == 0.25
+    # Keras Tuner rewrote oracle.json 3 times and the ended trial's file twice: once each now
+    assert sorted(writes) == sorted(["trial_%s/ckpt" % first["trial_id"],
+                                     "trial_%s/trial.json" % first["trial_id"],
+                                     "p/oracle.json",
+                                     "trial_%s/trial.json" % nxt["trial_id"]]), writes
+    # asked again (a new leader), the group gets the same trial back
+    assert handler("create_trial", (group,))["trial_id"] == nxt["trial_id"]
+
+
+def test_a_resent_result_is_recorded_once_and_still_gets_the_next_trial(handler):
+    group = "matex-group-0"
+    first = handler("create_trial", (group,))
+    first["status"] = "COMPLETED"
+    report = [(first["trial_id"], {"value": 0.5}, 0)]
+    nxt = handler("end_trial", (first, {}, report, group))
+    again = handler("end_trial", (first, {}, report, group))   # resent after a takeover
+    assert again["trial_id"] == nxt["trial_id"]
+    assert _on_disk(handler)["end_order"] == [first["trial_id"]]
+
+
+def test_the_last_result_gets_stopped_and_plain_end_trial_answers_none(handler):
+    group = "matex-group-0"
+    state = handler("create_trial", (group,))
+    for _ in range(2):
+        state["status"] = "COMPLETED"
+        state = handler("end_trial", (state, {}, [(state["trial_id"], {"value": 1.0}, 0)], group))
+    state["status"] = "COMPLETED"
+    assert handler("end_trial", (state, {}, [(state["trial_id"], {"value": 1.0}, 0)],
+                                 group))["status"] == "STOPPED"
+    assert group in handler.stopped
+    assert handler("end_trial", (state, {})) is None
+
+
+def test_batched_writes_write_each_file_once_at_the_end(tmp_path, writes):
+    path = str(tmp_path / "d" / "f.json")
+    with _service.batched_writes():
+        _service.write_atomically(path, b"1")
+        with _service.batched_writes():   # nested: joins the outer block
+            _service.write_atomically(path, b"2")
+        assert not os.path.exists(path) and writes == []
+    assert writes == ["d/f.json"] and open(path, "rb").read() == b"2"
+    _service.write_atomically(path, b"3")   # outside a block: at once
+    assert open(path, "rb").read() == b"3" and len(writes) == 2
