@@ -19,7 +19,9 @@ def test_parallel_tensor_suite(nranks, tmp_path):
 def test_data_pipeline_tensor_2x2x2_suite(tmp_path):
     """8 ranks, D x P x T = 2 x 2 x 2: fit equal to one process, 1/(P*T) of the
     parameters per rank, replicas bitwise equal; the saved file (tensor shards
-    gathered) loads here with plain Keras and predicts like the 1-process model."""
+    gathered) loads here with plain Keras and predicts like the 1-process model.
+    Then 4 ranks (1 x 2 x 2) resume the 8-rank run's checkpoint: half the data
+    replicas, the same second epoch as the 1-process run."""
     import os
 
     import keras
@@ -32,6 +34,7 @@ def test_data_pipeline_tensor_2x2x2_suite(tmp_path):
                MATEX_PIPELINE_SAVE_DIR=str(out), MATEX_TEST_TIMEOUT="420")
     assert mpitools.run_suite(8, ["test_parallel_3d.py"], tmp_path / "reports",
                               env=env, timeout=600) == 1
+    assert (out / "checkpoint" / "meta.json").exists()
     whole = keras.models.load_model(out / "dp_pp_tp.keras")
     # ordinary Keras layers only: the shards became whole Dense layers
     assert {type(layer).__name__ for layer in whole.layers} == {"Dense", "Identity"}
@@ -43,3 +46,6 @@ def test_data_pipeline_tensor_2x2x2_suite(tmp_path):
                                rtol=1e-4, atol=1e-5)
     np.testing.assert_allclose(whole.predict(x, verbose=0), np.load(out / "pipelined.npy"),
                                rtol=1e-5, atol=1e-6)
+    # restart from the 8-rank run's checkpoint on 4 ranks: a 1 x 2 x 2 grid
+    assert mpitools.run_suite(4, ["test_parallel_3d.py"], tmp_path / "reports4",
+                              env=env, timeout=600) == 1

@@ -627,6 +627,120 @@ class PipelineModel(keras.Model):
                 layer.set_weights(weights[layer.name])
         return whole
 
+    # ---- checkpoints: resume with another number of data replicas ---------------
+
+    def _checkpoint_file(self, directory):
+        import os
+
+        L = self._layout
+        return os.path.join(directory, "stage%d_tensor%d.npz" % (L.pipeline_rank,
+                                                                 L.tensor_rank))
+
+    def _optimizer_variables(self):
+        optimizer = getattr(self, "optimizer", None)
+        if optimizer is None:
+            raise ValueError("matex.parallel: compile the PipelineModel before saving or "
+                             "restoring a checkpoint")
+        if not optimizer.built:
+            optimizer.build(self.stage.trainable_variables)
+        return list(optimizer.variables)
+
+    def save_checkpoint(self, directory: str) -> None:
+        """Write this run's state so that a grid with another data dimension can resume it.
+
+        Collective. Each (stage, tensor shard) of data replica 0 writes its
+        stage's variables and its optimizer's variables (Adam's moments, the
+        step count) to ``directory/stage<p>_tensor<t>.npz``; world rank 0
+        writes ``meta.json`` (P, T, D, the stages). The data replicas are
+        equal, so one copy serves any number of them:
+        ``restore_checkpoint`` on a grid with the same pipeline and tensor
+        sizes and any data size continues the run as if it had not stopped.
+        """
+        import json
+        import os
+
+        self._require_built()
+        L = self._layout
+
+        def write():
+            try:
+                store()
+            except OSError as exc:
+                raise ValueError("matex.parallel: cannot write a checkpoint to %s: %s"
+                                 % (directory, exc)) from None
+
+        def store():
+            variables = self._optimizer_variables()
+            os.makedirs(directory, exist_ok=True)
+            if L.data_rank == 0:
+                arrays = {"w%d" % i: np.asarray(v) for i, v in enumerate(self.stage.variables)}
+                arrays.update({"o%d" % i: np.asarray(v) for i, v in enumerate(variables)})
+                target = self._checkpoint_file(directory)
+                with open(target + ".tmp", "wb") as f:
+                    np.savez(f, **arrays)
+                os.replace(target + ".tmp", target)
+            if L.world_rank == 0:
+                meta = {"pipeline": L.pipeline_size, "tensor": L.tensor_size,
+                        "data": L.data_size, "stages": self.plan.stage_layers}
+                with open(os.path.join(directory, "meta.json"), "w") as f:
+                    json.dump(meta, f)
+
+        _agree(L.control, write)
+
+    def restore_checkpoint(self, directory: str) -> None:
+        """Load what ``save_checkpoint`` wrote: stage and optimizer variables (collective).
+
+        The grid may have another data size than the run that wrote it; its
+        pipeline and tensor sizes and its stages must be the same (a
+        ``ValueError`` on every rank otherwise, as for a missing file or a
+        variable of another shape). Compile first.
+        """
+        import json
+        import os
+
+        self._require_built()
+        L = self._layout
+
+        def read():
+            try:
+                load()
+            except (OSError, KeyError) as exc:
+                raise ValueError("matex.parallel: cannot read the checkpoint in %s: %s: %s"
+                                 % (directory, type(exc).__name__, exc)) from None
+
+        def load():
+            path = os.path.join(directory, "meta.json")
+            if not os.path.exists(path):
+                raise ValueError("matex.parallel: no checkpoint in %s (no meta.json)"
+                                 % directory)
+            with open(path) as f:
+                meta = json.load(f)
+            if (meta["pipeline"], meta["tensor"]) != (L.pipeline_size, L.tensor_size) or \
+                    meta["stages"] != self.plan.stage_layers:
+                raise ValueError(
+                    "matex.parallel: the checkpoint in %s is of a %d-stage x %d-way tensor "
+                    "pipeline with stages %s; this one is %d x %d with stages %s: the pipeline "
+                    "and tensor sizes and the stages must match (the data size may differ)"
+                    % (directory, meta["pipeline"], meta["tensor"], meta["stages"],
+                       L.pipeline_size, L.tensor_size, self.plan.stage_layers))
+            variables = self._optimizer_variables()
+            with np.load(self._checkpoint_file(directory)) as data:
+                pairs = [(v, data["w%d" % i]) for i, v in enumerate(self.stage.variables)]
+                pairs += [(v, data["o%d" % i]) for i, v in enumerate(variables)]
+                if len(data.files) != len(pairs):
+                    raise ValueError("matex.parallel: the checkpoint holds %d variables for "
+                                     "this rank, the model and optimizer have %d"
+                                     % (len(data.files), len(pairs)))
+            for v, value in pairs:
+                if tuple(v.shape) != value.shape:
+                    raise ValueError("matex.parallel: checkpoint variable of shape %s for %s "
+                                     "of shape %s" % (value.shape, v.path, tuple(v.shape)))
+            for v, value in pairs:
+                v.assign(value)
+
+        _agree(L.control, read)
+        self._synced = True   # every replica read the same values
+
     def save(self, filepath, overwrite=True, **kwargs):
         """Write the whole model (every stage) as one plain Keras file; rank 0 writes.
 

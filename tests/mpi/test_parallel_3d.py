@@ -8,6 +8,11 @@ process (world rank 0 trains it, every rank compares, rtol 1e-4). Then the
 pipeline is saved with its tensor shards gathered into plain Dense layers;
 the outer test (tests/test_parallel.py) loads the file with plain Keras in
 its own process and compares predictions with the reference.
+
+The 8-rank run also writes a checkpoint after its first epoch; the outer test
+then runs this file on 4 ranks, a 1 x 2 x 2 grid (half the data replicas),
+which restores it and trains the second epoch: the same loss and weights as
+the 1-process run's second epoch.
 """
 
 import os
@@ -23,7 +28,8 @@ from matex.parallel._pipeline import PipelineModel
 WORLD, SIZE = matex.rank(), matex.size()
 D, P, T = 2, 2, 2
 BATCH, ROWS, M = 16, 32, 2
-pytestmark = pytest.mark.skipif(SIZE != D * P * T, reason="an 8-rank suite")
+pytestmark = pytest.mark.skipif(SIZE not in (D * P * T, P * T),
+                                reason="an 8-rank (D x P x T) or 4-rank (1 x P x T) suite")
 
 # name: (kind, units, activation, extra arguments of the parallel layer)
 LAYERS = [("c0", "column", 16, "tanh", dict(gather_output=False)),
@@ -79,17 +85,36 @@ def _shard(name, full, t):
     return [kernel[t * n:(t + 1) * n], bias]
 
 
-def test_data_pipeline_tensor_2x2x2_fit_equals_one_process_and_saves():
-    x, y = _data()
-    world = matex.comm()
+def _reference(x, y):
+    """The 1-process run (2 epochs) on world rank 0, shared with every rank: weights by
+    layer, history, predictions, parameter bytes."""
     reference = None
-    if WORLD == 0:   # the 1-process reference, trained once and shared
+    if WORLD == 0:
         ref = _compile(_build(False))
         history = ref.fit(x, y, batch_size=BATCH, epochs=2, shuffle=False, verbose=0).history
         reference = ({layer.name: [np.asarray(w) for w in layer.weights]
                       for layer in ref.layers}, history, ref.predict(x, verbose=0),
                      sum(int(np.prod(w.shape)) * 4 for w in ref.weights))
-    ref_weights, ref_history, ref_pred, whole_bytes = world.bcast(reference, root=0)
+    return matex.comm().bcast(reference, root=0)
+
+
+def _check_shards(pm, ref_weights, g):
+    for layer in pm.stage.layers:
+        if not layer.weights:
+            continue
+        expected = _shard(layer.name, ref_weights[layer.name], g.tensor_rank)
+        for a, b in zip(layer.weights, expected):
+            np.testing.assert_allclose(
+                np.asarray(a), b, rtol=1e-4, atol=1e-6,
+                err_msg="%s on rank %d %s" % (a.path, WORLD, (g.data_rank, g.pipeline_rank,
+                                                                g.tensor_rank)))
+
+
+@pytest.mark.skipif(SIZE != D * P * T, reason="the 8-rank part")
+def test_data_pipeline_tensor_2x2x2_fit_equals_one_process_and_saves():
+    x, y = _data()
+    out = os.environ["MATEX_PIPELINE_SAVE_DIR"]
+    ref_weights, ref_history, ref_pred, whole_bytes = _reference(x, y)
 
     with mp.grid(data=D, pipeline=P, tensor=T) as g:
         pm = PipelineModel(_build(True, g), microbatches=M, schedule="1f1b", grid=g)
@@ -107,18 +132,13 @@ def test_data_pipeline_tensor_2x2x2_fit_equals_one_process_and_saves():
         replicated = 4 * sum(s[2] for s in LAYERS if s is not None and s[1] == "row")
         assert sum(g.world_comm.allgather(held)[:P * T]) == whole_bytes + (T - 1) * replicated
 
-        history = pm.fit(x, y, batch_size=BATCH, epochs=2, shuffle=False, verbose=0).history
+        # two epochs, with a checkpoint between them (for the 4-rank restart below)
+        first = pm.fit(x, y, batch_size=BATCH, epochs=1, shuffle=False, verbose=0).history
+        pm.save_checkpoint(os.path.join(out, "checkpoint"))
+        second = pm.fit(x, y, batch_size=BATCH, epochs=1, shuffle=False, verbose=0).history
         for key in ("loss", "mae"):
-            np.testing.assert_allclose(history[key], ref_history[key], rtol=1e-4)
-        for layer in pm.stage.layers:
-            if not layer.weights:
-                continue
-            expected = _shard(layer.name, ref_weights[layer.name], g.tensor_rank)
-            for a, b in zip(layer.weights, expected):
-                np.testing.assert_allclose(
-                    np.asarray(a), b, rtol=1e-4, atol=1e-6,
-                    err_msg="%s on rank %d %s" % (a.path, WORLD, (g.data_rank, g.pipeline_rank,
-                                                                    g.tensor_rank)))
+            np.testing.assert_allclose(first[key] + second[key], ref_history[key], rtol=1e-4)
+        _check_shards(pm, ref_weights, g)
         # the data replicas of a (stage, shard) hold bitwise-equal weights
         mine = b"".join(np.asarray(v).tobytes() for v in pm.stage.variables)
         assert len(set(g.data_comm.allgather(mine))) == 1
@@ -128,7 +148,6 @@ def test_data_pipeline_tensor_2x2x2_fit_equals_one_process_and_saves():
         np.testing.assert_allclose(predicted, ref_pred, rtol=1e-4, atol=1e-5)
 
         # save: shards gathered into plain Dense layers, one file, written by world rank 0
-        out = os.environ["MATEX_PIPELINE_SAVE_DIR"]
         path = os.path.join(out, "dp_pp_tp.keras")
         pm.save(path)
         assert os.path.exists(path)   # save returns once rank 0 has written
@@ -136,3 +155,23 @@ def test_data_pipeline_tensor_2x2x2_fit_equals_one_process_and_saves():
         np.save(os.path.join(out, "x.npy"), x)
         np.save(os.path.join(out, "reference.npy"), ref_pred)
         np.save(os.path.join(out, "pipelined.npy"), predicted)
+
+
+@pytest.mark.skipif(SIZE != P * T, reason="the 4-rank part")
+def test_restart_on_half_the_data_replicas_from_the_checkpoint():
+    """The 8-rank run's checkpoint (after epoch 1, D = 2) resumed on a 1 x 2 x 2 grid: its
+    second epoch equals the 1-process run's (Adam's moments and step count restored)."""
+    x, y = _data()
+    out = os.environ["MATEX_PIPELINE_SAVE_DIR"]
+    ref_weights, ref_history, _, _ = _reference(x, y)
+    with mp.grid(data=1, pipeline=P, tensor=T) as g:
+        pm = PipelineModel(_build(True, g), microbatches=M, grid=g)
+        pm.build((None, 6))
+        _compile(pm)
+        with pytest.raises(ValueError, match="no checkpoint"):
+            pm.restore_checkpoint(os.path.join(out, "nowhere"))
+        pm.restore_checkpoint(os.path.join(out, "checkpoint"))
+        history = pm.fit(x, y, batch_size=BATCH, epochs=1, shuffle=False, verbose=0).history
+        for key in ("loss", "mae"):
+            np.testing.assert_allclose(history[key], ref_history[key][1:], rtol=1e-4)
+        _check_shards(pm, ref_weights, g)
