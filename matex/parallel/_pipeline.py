@@ -524,7 +524,8 @@ class PipelineModel(keras.Model):
             raise RankFailure(
                 "matex.parallel: rank(s) %s of this pipeline failed; pipelined runs cannot "
                 "recover from a rank failure (a lost stage's weights exist nowhere else), so "
-                "the job ends. Restart it from a checkpoint (pm.save / matexrun --restart)."
+                "the job ends. Restart it from a checkpoint (pm.save_checkpoint, then "
+                "pm.restore_checkpoint in a new job, with as many data replicas as remain)."
                 % (", ".join(map(str, lost)) if lost else "?")) from exc
 
     def _lost_ranks(self):
