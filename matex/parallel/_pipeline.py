@@ -112,7 +112,9 @@ class PipelineModel(keras.Model):
 
     ``fit``, ``evaluate``, ``predict`` run on every rank with the same data
     and return the same results everywhere; ``save`` writes one plain Keras
-    file holding every stage (rank 0 writes).
+    file holding every stage, tensor-parallel shards gathered (rank 0
+    writes); ``save_checkpoint`` / ``restore_checkpoint`` carry weights and
+    optimizer state to a grid with another data size.
     """
 
     def __init__(self, model, microbatches: int = 1, schedule: str = "1f1b", grid=None,
