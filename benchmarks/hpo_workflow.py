@@ -7,7 +7,9 @@ Three phases, each one ``mpiexec`` job running ``matex.hpo.minimize``:
 * ``utilisation``: 8 groups of 1 rank on synthetic trials that sleep for a
   log-normal duration (so it measures the scheduler, not the CPU): busy-time
   fraction of the groups between the first trial's start and the last one's
-  end. Target >= 97 %. (``--quick``: 4 groups, 16 trials.)
+  end. Target >= 97 %. (``--quick``: 4 groups, 16 trials.) The idle time is
+  split into hand-offs (between two trials of a group) and the drain at the
+  end (groups with nothing left to run while the last trials finish).
 * ``layouts``: one small Keras search (same seed, same trial budget) done
   8 x 1, 4 x 2 and 1 x 8 ranks per trial on 8 ranks (``--quick``: 4 x 1,
   2 x 2 and 1 x 4 on 4 ranks, 4 trials of 2 epochs): wall time until a trial
@@ -20,6 +22,7 @@ Three phases, each one ``mpiexec`` job running ``matex.hpo.minimize``:
 
 import json
 import os
+import statistics
 import sys
 import time
 
@@ -78,10 +81,22 @@ def worker_utilisation(args):
         first, last = min(s[0] for s in flat), max(s[1] for s in flat)
         busy = sum(s[1] - s[0] for s in flat)
         groups = MPI.COMM_WORLD.Get_size()
+        # where the groups' idle time goes: between two trials of a group (the hand-off:
+        # report, next trial), and at the end, once nothing is left to hand out (the
+        # last trials' drain: a property of the search's length, not of the scheduler)
+        gaps, drain = [], 0.0
+        for spans in every:
+            spans = sorted(spans)
+            gaps += [b[0] - a[1] for a, b in zip(spans, spans[1:])]
+            drain += last - spans[-1][1] if spans else last - first
+        whole = groups * (last - first)
         _common.emit({"groups": groups, "trials": len(flat),
-                      "busy_fraction": busy / (groups * (last - first)),
+                      "busy_fraction": busy / whole,
                       "busy_fraction_with_start": busy / (groups * (end - begin)),
-                      "mean_trial_s": busy / len(flat)})
+                      "mean_trial_s": busy / len(flat),
+                      "median_handoff_s": statistics.median(gaps) if gaps else 0.0,
+                      "handoff_idle_fraction": sum(gaps) / whole,
+                      "drain_idle_fraction": drain / whole})
 
 
 def worker_failure(args):
@@ -151,7 +166,13 @@ def report(results, quick):
     rows = [["utilisation: busy fraction, %d groups x 1 rank, %d sleep trials"
              % (util["groups"], util["trials"]), "%.4f" % util["busy_fraction"], "fraction"],
             ["utilisation incl. the search's start and end", "%.4f"
-             % util["busy_fraction_with_start"], "fraction"]]
+             % util["busy_fraction_with_start"], "fraction"],
+            ["utilisation: median hand-off between two trials of a group",
+             "%.1f" % (1e3 * util["median_handoff_s"]), "ms"],
+            ["utilisation: groups' time idle in hand-offs", "%.4f"
+             % util["handoff_idle_fraction"], "fraction"],
+            ["utilisation: groups' time idle at the end (the last trials' drain)", "%.4f"
+             % util["drain_idle_fraction"], "fraction"]]
     for name, r in layouts.items():
         if r["to_target_s"] is not None:
             rows.append(["Keras search %s: time to val_accuracy >= %.2f" % (
