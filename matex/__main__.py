@@ -17,12 +17,18 @@ absl::InitializeLog()", cpu_feature_guard's instruction-set note, oneDNN's
 notice), printed by every rank, are hidden by defaulting
 ``TF_CPP_MIN_LOG_LEVEL`` to 1 (INFO hidden; warnings, errors and tracebacks
 stay visible) before the script imports TensorFlow. A value the user set is
-kept.
+kept. oneDNN's notice ignores that setting on CPUs where TensorFlow turns
+oneDNN on by default (AVX512_VNNI/BF16, AMX), so while TensorFlow loads, its
+INFO lines are also taken out of the process's stderr (every other line
+passes) whenever the level in force hides INFO.
 """
 
+import contextlib
 import os
+import re
 import runpy
 import sys
+import threading
 import traceback
 
 from matex import _config
@@ -54,10 +60,62 @@ QUIET_ENVIRONMENT = {
 }
 
 
+# What TensorFlow's C++ start-up prints at INFO level: absl-format INFO lines
+# ("I0000 00:00:1795507254.554787    2299 port.cc:153] oneDNN ..."), absl's
+# banner before its first line, cpu_feature_guard's second line.
+_STARTUP_NOTICE = re.compile(
+    r"I\d{4} \d\d:\d\d:[\d.]+ +\d+ [\w./-]+:\d+\] "
+    r"|WARNING: All log messages before absl::InitializeLog\(\) is called are written to STDERR$"
+    r"|To enable the following instructions: .*rebuild TensorFlow with the appropriate compiler")
+
+
 def _quiet_tensorflow_startup():
-    """Default the environment that silences TensorFlow's start-up notices (user values win)."""
+    """Default the environment that silences TensorFlow's start-up notices (user values win).
+
+    Where the level in force hides INFO, TensorFlow's import also runs with
+    its INFO lines filtered out of stderr (see the module's docstring).
+    """
     for name, value in QUIET_ENVIRONMENT.items():
         os.environ.setdefault(name, value)
+    try:
+        hides_info = int(os.environ["TF_CPP_MIN_LOG_LEVEL"]) >= 1
+    except ValueError:
+        hides_info = False
+    if hides_info:
+        from matex import _transparent
+
+        _transparent.around_import("tensorflow", _without_startup_notices)
+
+
+@contextlib.contextmanager
+def _without_startup_notices():
+    """File descriptor 2 through a pipe while the block runs; its notice lines dropped after."""
+    sys.stderr.flush()
+    saved = os.dup(2)
+    read_end, write_end = os.pipe()
+    os.dup2(write_end, 2)
+    os.close(write_end)
+    chunks = []
+
+    def drain():   # the pipe must not fill up while TensorFlow writes
+        while chunk := os.read(read_end, 1 << 16):
+            chunks.append(chunk)
+
+    reader = threading.Thread(target=drain, name="matex-stderr-filter", daemon=True)
+    reader.start()
+    try:
+        yield
+    finally:
+        sys.stderr.flush()
+        os.dup2(saved, 2)   # the pipe's last write end closes: the reader sees its end
+        os.close(saved)
+        reader.join()
+        os.close(read_end)
+        text = b"".join(chunks).decode("utf-8", "replace")
+        kept = "".join(line for line in text.splitlines(keepends=True)
+                       if not _STARTUP_NOTICE.match(line))
+        if kept:
+            os.write(2, kept.encode("utf-8"))
 
 
 def _run(argv):

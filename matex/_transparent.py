@@ -38,15 +38,15 @@ _seed = None        # the seed in use; None: not decided yet
 _decided = False
 
 
-class _AfterImport(importlib.abc.MetaPathFinder):
-    """Run ``action(module)`` right after module ``name`` is first executed.
+class _ImportHook(importlib.abc.MetaPathFinder):
+    """Run module ``name``'s first execution as ``run(execute, module)``.
 
     Stays in place until then: TensorFlow probes for Keras with find_spec
     before importing it.
     """
 
-    def __init__(self, name, action):
-        self.name, self.action, self.searching = name, action, False
+    def __init__(self, name, run):
+        self.name, self.run, self.searching = name, run, False
 
     def find_spec(self, name, path, target=None):
         if name != self.name or self.searching:
@@ -62,10 +62,11 @@ class _AfterImport(importlib.abc.MetaPathFinder):
         finder = self
 
         def exec_module(module):
-            execute(module)
-            if finder in sys.meta_path:
-                sys.meta_path.remove(finder)
-            finder.action(module)
+            try:
+                finder.run(execute, module)
+            finally:
+                if finder in sys.meta_path:
+                    sys.meta_path.remove(finder)
 
         spec.loader.exec_module = exec_module
         return spec
@@ -76,7 +77,24 @@ def after_import(name, action):
     if name in sys.modules:
         action(sys.modules[name])
     else:
-        sys.meta_path.insert(0, _AfterImport(name, action))
+        def run(execute, module):
+            execute(module)
+            action(module)
+
+        sys.meta_path.insert(0, _ImportHook(name, run))
+
+
+def around_import(name, context):
+    """Run top-level module ``name``'s first import inside ``context()`` (a context manager).
+
+    Nothing happens if it is imported already.
+    """
+    if name not in sys.modules:
+        def run(execute, module):
+            with context():
+                execute(module)
+
+        sys.meta_path.insert(0, _ImportHook(name, run))
 
 
 launched_size = _config.launched_size

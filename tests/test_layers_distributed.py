@@ -163,6 +163,28 @@ def test_python_m_matex_hides_tensorflow_startup_notices(tmp_path):
     assert loud.stdout.splitlines() == ["sum 3 0"]
 
 
+def test_the_startup_filter_drops_only_info_notices():
+    # fd-level writes inside the filter, as TensorFlow's C++ makes them while it loads
+    code = (
+        "import os, sys\n"
+        "from matex.__main__ import _without_startup_notices\n"
+        "with _without_startup_notices():\n"
+        "    os.write(2, b'WARNING: All log messages before absl::InitializeLog() is called "
+        "are written to STDERR\\n')\n"
+        "    os.write(2, b'I0000 00:00:1795507254.554787    2299 port.cc:153] oneDNN custom "
+        "operations are on.\\n')\n"
+        "    os.write(2, b'W0000 00:00:1795507254.554787    2299 op.cc:1] a real warning\\n')\n"
+        "    os.write(2, b'x' * 200000 + b'\\n')\n"   # more than a pipe holds
+        "    print('from python', file=sys.stderr)\n"
+        "print('after', file=sys.stderr)\n")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          timeout=60)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stderr.splitlines() == [
+        "W0000 00:00:1795507254.554787    2299 op.cc:1] a real warning", "x" * 200000,
+        "from python", "after"]
+
+
 def test_python_m_matex_still_shows_a_rank_s_error(tmp_path):
     proc = _run(tmp_path, (
         "import os\n"
