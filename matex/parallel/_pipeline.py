@@ -654,7 +654,8 @@ class PipelineModel(keras.Model):
         Collective. Each (stage, tensor shard) of data replica 0 writes its
         stage's variables and its optimizer's variables (Adam's moments, the
         step count) to ``directory/stage<p>_tensor<t>.npz``; world rank 0
-        writes ``meta.json`` (P, T, D, the stages). The data replicas are
+        writes ``meta.json`` (P, T, D, the stages) last, once every stage file is
+        in place; each file goes through a temporary and a rename. The replicas are
         equal, so one copy serves any number of them:
         ``restore_checkpoint`` on a grid with the same pipeline and tensor
         sizes and any data size continues the run as if it had not stopped.
@@ -665,30 +666,38 @@ class PipelineModel(keras.Model):
         self._require_built()
         L = self._layout
 
-        def write():
-            try:
-                store()
-            except OSError as exc:
-                raise ValueError("matex.parallel: cannot write a checkpoint to %s: %s"
-                                 % (directory, exc)) from None
+        def written(store):
+            def write():
+                try:
+                    store()
+                except OSError as exc:
+                    raise ValueError("matex.parallel: cannot write a checkpoint to %s: %s"
+                                     % (directory, exc)) from None
+            return write
 
-        def store():
+        def replace(target, dump, mode):
+            # through a temporary file: a writer killed midway leaves the old file whole
+            with open(target + ".tmp", mode) as f:
+                dump(f)
+            os.replace(target + ".tmp", target)
+
+        def store_stage():
             variables = self._optimizer_variables()
             os.makedirs(directory, exist_ok=True)
             if L.data_rank == 0:
                 arrays = {"w%d" % i: np.asarray(v) for i, v in enumerate(self.stage.variables)}
                 arrays.update({"o%d" % i: np.asarray(v) for i, v in enumerate(variables)})
-                target = self._checkpoint_file(directory)
-                with open(target + ".tmp", "wb") as f:
-                    np.savez(f, **arrays)
-                os.replace(target + ".tmp", target)
+                replace(self._checkpoint_file(directory), lambda f: np.savez(f, **arrays), "wb")
+
+        def store_meta():
             if L.world_rank == 0:
                 meta = {"pipeline": L.pipeline_size, "tensor": L.tensor_size,
                         "data": L.data_size, "stages": self.plan.stage_layers}
-                with open(os.path.join(directory, "meta.json"), "w") as f:
-                    json.dump(meta, f)
+                replace(os.path.join(directory, "meta.json"), lambda f: json.dump(meta, f), "w")
 
-        _agree(L.control, write)
+        _agree(L.control, written(store_stage))
+        # last, once every stage's file is in place: a meta.json never names missing stages
+        _agree(L.control, written(store_meta))
 
     def restore_checkpoint(self, directory: str) -> None:
         """Load what ``save_checkpoint`` wrote: stage and optimizer variables (collective).
