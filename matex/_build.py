@@ -298,19 +298,23 @@ def _run(cmd):
         )
 
 
-def _compile(cxx, flags, sources, tmp):
-    """Compile each source to an object in ``tmp``, one compiler per usable core; the objects.
+def _compile_and_link(cxx, flags, sources, output, link):
+    """Build ``output`` from ``sources``: one object per source, compiled on every usable
+    core, then linked with ``flags + link``; the objects are removed afterwards.
 
     ``g++ a.cc b.cc`` compiles its files one after the other; separate objects
-    give the same library, built on every core this process may use.
+    give the same library.
     """
+    output = Path(output)
     sources = [Path(s) for s in sources]
-    objects = [tmp / ("%s-%d.o" % (s.stem, i)) for i, s in enumerate(sources)]
+    objects = [output.parent / ("%s-%d.o" % (s.stem, i)) for i, s in enumerate(sources)]
     workers = max(1, min(len(sources), len(os.sched_getaffinity(0))))
     with ThreadPoolExecutor(max_workers=workers) as pool:
         list(pool.map(lambda so: _run([cxx] + flags + ["-c", str(so[0]), "-o", str(so[1])]),
                       zip(sources, objects)))
-    return [str(o) for o in objects]
+    _run([cxx] + flags + [str(o) for o in objects] + ["-o", str(output)] + link)
+    for obj in objects:
+        obj.unlink()
 
 
 class _Locked:
@@ -395,16 +399,14 @@ def core_dir():
         _say("building the MPI core against %s (one time)..." % libmpi)
         abi = "-D_GLIBCXX_USE_CXX11_ABI=1"
         core_flags = ["-std=c++17", abi] + _OPT + _MPI_DEFINES + ["-I" + mpi_inc]
-        objects = _compile(cxx, core_flags, sorted((src / "core").glob("*.cc")), tmp)
-        _run([cxx] + core_flags + objects + [
-            "-o", str(tmp / "libmatex_core.so"), "-Wl,-soname,libmatex_core.so",
-            libmpi, "-Wl,-rpath," + os.path.dirname(libmpi)])
+        _compile_and_link(cxx, core_flags, sorted((src / "core").glob("*.cc")),
+                          tmp / "libmatex_core.so",
+                          ["-Wl,-soname,libmatex_core.so", libmpi,
+                           "-Wl,-rpath," + os.path.dirname(libmpi)])
         _run([cxx, "-std=c++17", abi, "-fvisibility=hidden"] + _OPT + [
             "-I" + str(src / "core"), "-I" + pb_inc, "-I" + py_inc,
             str(src / "python" / "bindings.cc"), "-o", str(tmp / products[1]),
             "-L" + str(tmp), "-lmatex_core", "-Wl,-rpath,$ORIGIN"])
-        for obj in objects:
-            os.unlink(obj)
         _say("core built in %.1f s" % (time.time() - started))
 
     return _build_into(target, products, build)
@@ -432,12 +434,9 @@ def tf_ops_dir():
         started = time.time()
         _say("building the TensorFlow %s ops (one time, ~20 s)..." % tf.__version__)
         flags = _OPT + cflags + ["-I" + str(src / "core")]
-        objects = _compile(cxx, flags, sorted((src / "kernels").glob("*.cc")), tmp)
-        _run([cxx] + flags + objects + [
-              "-o", str(tmp / "matex_tf_ops.so"),
-              "-L" + str(core), "-lmatex_core", "-Wl,-rpath," + str(core)] + lflags)
-        for obj in objects:
-            os.unlink(obj)
+        _compile_and_link(cxx, flags, sorted((src / "kernels").glob("*.cc")),
+                          tmp / "matex_tf_ops.so",
+                          ["-L" + str(core), "-lmatex_core", "-Wl,-rpath," + str(core)] + lflags)
         _say("ops built in %.1f s" % (time.time() - started))
 
     return _build_into(target, ["matex_tf_ops.so"], build)
