@@ -12,6 +12,7 @@ import glob
 import json
 import os
 import random
+import re
 import signal
 import subprocess
 import sys
@@ -43,11 +44,29 @@ def _launch(tmp_path, nranks, faults=None, ft=True, extra=()):
     return proc, out
 
 
+def _failed_ranks_text(err):
+    """Each failed rank's whole report, by rank: the lines a rank that raised printed
+    (``[rank N] ...``, its full traceback, chained exceptions included) before dying.
+
+    A rank lost besides the victim (a survivor that did not recover) shows here with
+    the error that ended it, however long, wherever it lies in stderr.
+    """
+    by_rank = {}
+    for line in err.splitlines():
+        match = re.match(r"\[rank (\d+)\] ", line)
+        if match:
+            by_rank.setdefault(int(match.group(1)), []).append(line)
+    return "".join("--- rank %d printed before it died ---\n%s\n" % (rank, "\n".join(lines))
+                   for rank, lines in sorted(by_rank.items()))
+
+
 def _tail(err):
-    """What a failure message shows of stderr: every MaTEx/MPI event, then the end."""
+    """What a failure message shows of stderr: every MaTEx/MPI event, each failed
+    rank's whole traceback, then the end."""
     events = [line for line in err.splitlines()
               if "matex:" in line or "MPI_ERR" in line or "prte" in line.lower()]
-    return "events:\n%s\n...\n%s" % ("\n".join(events[-60:]), err[-3000:])
+    return "events:\n%s\nfailed ranks:\n%s...\n%s" % (
+        "\n".join(events[-60:]), _failed_ranks_text(err) or "(none printed)\n", err[-3000:])
 
 
 def _finish(proc, timeout=240):
@@ -68,13 +87,14 @@ def _check(results, survivors, out, err, reference=None, size=None):
     """``size``: the communicator size survivors end on (default: one per survivor)."""
     assert sorted(results) == sorted(survivors), (sorted(results), _tail(err))
     digests = {r["digest"] for r in results.values()}
-    assert len(digests) == 1, "survivors' states differ"
+    assert len(digests) == 1, ("survivors' states differ", _tail(err))
     for r in results.values():
         if r["recoveries"]:   # the communicators before the failure were freed
-            assert r["freed"] == [True, True], r["freed"]
-        assert r["size"] == (len(survivors) if size is None else size)
-        assert r["iterations"] == STEPS * EPOCHS
-        assert r["seen"] == [float(EPOCHS)] * N, "a sample was lost or trained twice"
+            assert r["freed"] == [True, True], (r["freed"], _tail(err))
+        assert r["size"] == (len(survivors) if size is None else size), (r["size"], _tail(err))
+        assert r["iterations"] == STEPS * EPOCHS, (r["iterations"], _tail(err))
+        assert r["seen"] == [float(EPOCHS)] * N, ("a sample was lost or trained twice",
+                                                  _tail(err))
     if reference is not None:
         acc = next(iter(results.values()))["accuracy"]
         assert abs(acc - reference) <= 0.05, (acc, reference)
@@ -119,17 +139,19 @@ def test_survivors_finish_with_nothing_lost_or_repeated(tmp_path, fault_free, fa
     stdout, err = _finish(proc)
     # survivors exit 0; a failed rank (killed, hung or raising) ends as a crash
     assert proc.returncode == 0, _tail(err)
-    assert err.count("matex: injecting fault") == faults.count("rank=")
+    assert err.count("matex: injecting fault") == faults.count("rank="), _tail(err)
     if "exception" in faults:
-        assert "InjectedFault" in err and "the others continue without it" in err
+        assert "InjectedFault" in err and "the others continue without it" in err, _tail(err)
     if "at=start" in faults:
-        assert "matex: rank(s) 1 failed during start-up; 3 rank(s) go on" in err
+        assert "matex: rank(s) 1 failed during start-up; 3 rank(s) go on" in err, _tail(err)
     if "at=evaluate" in faults:   # evaluate is redone on the survivors, callbacks told
         lost = [int(faults.split("rank=")[1].split(",")[0])]
         for r in _results(out).values():
-            assert [(x["lost"], x["new_size"]) for x in r["recoveries"]] == [(lost, 3)]
+            assert [(x["lost"], x["new_size"]) for x in r["recoveries"]] == [(lost, 3)], \
+                _tail(err)
             if validate:   # validation after every epoch, the interrupted one redone
-                assert len(r["val_loss"]) == EPOCHS and all(np.isfinite(r["val_loss"]))
+                assert len(r["val_loss"]) == EPOCHS and all(np.isfinite(r["val_loss"])), \
+                    (r["val_loss"], _tail(err))
     _check(_results(out), survivors, out, err, reference=fault_free)
 
 
