@@ -59,6 +59,10 @@ def run_phase(script, worker, nranks, args=(), mpi_args=(), timeout=1800):
     # mpi4py's runner aborts the whole job on an uncaught exception. Not
     # ``python -m matex``: it would make the Keras baselines distributed too.
     program = [sys.executable, "-m", "mpi4py", os.path.abspath(script), "--worker", worker]
+    if "--with-ft" in mpi_args:
+        # as ``import matex`` does under ULFM: no MPI_Finalize, which can wait forever once
+        # a rank has died (here mpi4py starts MPI before the script imports matex)
+        program[3:3] = ["-rc", "finalize=false"]
     cmd = launcher.mpiexec_command(nranks, program + list(args), mpi_args=mpi_args)
     try:
         proc = subprocess.run(cmd, env=launch_env(), capture_output=True, text=True,
