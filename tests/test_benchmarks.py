@@ -170,10 +170,14 @@ def test_hpo_workflow_driver(tmp_path):
     stdout, results = run_driver("hpo_workflow", tmp_path, timeout=1500)
     assert_finite_table(stdout)
     assert_targets(stdout, 2)
-    assert set(results) == {"utilisation", "layouts", "failure"}
-    util = results["utilisation"]
-    assert util["groups"] == 4 and util["trials"] == 16   # --quick
-    assert 0 < util["busy_fraction_with_start"] <= util["busy_fraction"] <= 1
+    assert set(results) == {"utilisation", "utilisation_long", "layouts", "failure"}
+    for name, trials in (("utilisation", 16), ("utilisation_long", 48)):   # --quick
+        util = results[name]
+        assert util["groups"] == 4 and util["trials"] == trials
+        assert 0 < util["busy_fraction_with_start"] <= util["busy_fraction"] <= 1
+        idle = (util["handoff_idle_fraction"] + util["drain_idle_fraction"]
+                + util["start_idle_fraction"])
+        assert abs(1 - util["busy_fraction"] - idle) < 1e-6   # busy + idle = the groups' time
     assert set(results["layouts"]) == {"4x1", "2x2", "1x4"}   # --quick: 4 ranks
     for layout in results["layouts"].values():
         assert layout["seconds"] > 0 and 0 < layout["best_accuracy"] <= 1
