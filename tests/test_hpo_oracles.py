@@ -167,6 +167,23 @@ def test_fit_hyperparameters_raises_the_likelihood_and_refactorises():
     assert gp.fit_hyperparameters() >= after - 1e-9
 
 
+def test_an_isotropic_fit_shares_one_length_scale():
+    X, y = sample(40, 3, seed=5)
+    gp = LazyGP(3, length_scales=[5.0, 0.02, 1.0], signal_variance=0.1, noise=0.3, seed=0)
+    gp.set_data(X, y)
+    before = gp.log_marginal_likelihood()
+    after = gp.fit_hyperparameters(isotropic=True)
+    h = gp.get_hyperparameters()
+    assert after > before + 10
+    assert len(set(h["length_scales"])) == 1
+    _, _, lml = exact_gp(X, y, X[:1], np.array(h["length_scales"]), h["signal_variance"],
+                         h["noise"], "matern52")
+    np.testing.assert_allclose(after, lml, rtol=1e-8)
+    # ARD, started from the isotropic optimum, fits at least as well and splits the scales
+    assert gp.fit_hyperparameters() >= after - 1e-9
+    assert len(set(gp.get_hyperparameters()["length_scales"])) == 3
+
+
 def test_a_repeated_point_raises_jitter_instead_of_failing():
     gp = LazyGP(2, noise=0.0)     # no noise: a repeated point makes K singular
     gp.add([0.5, 0.5], 1.0)
@@ -204,8 +221,9 @@ def random_best(budget, seed, tmp_path):
 def test_lazy_bayesian_search_finds_the_branin_minimum(tmp_path):
     budget = 40
     tuner = analytic(LazyBayesianSearch)(max_trials=budget, seed=7, hyperparameters=branin_space(),
-                                         refit_until=0, directory=str(tmp_path),
-                                         project_name="lazy")   # refits every lag (20) only
+                                         refit_until=0, isotropic_until=0,
+                                         directory=str(tmp_path), project_name="lazy")
+    # refits every lag (20) only, ARD (one isotropic fit at 6 kept for 20 results: 0.481)
     tuner.search(verbose=0)
     assert len(tuner.oracle.trials) == budget
     best = best_of(tuner)
@@ -227,6 +245,17 @@ def test_small_gps_are_refitted_at_every_observation_then_every_lag(tmp_path):
     # refits at 6, 7, ..., 12 (every observation), then 20 and 28 (every lag); adds lazy
     assert gp.n == 31 and gp.stats["refits"] == 7 + 2, gp.stats
     assert gp.stats["adds"] == 31 and gp.stats["refactorisations"] == 9
+
+
+def test_small_gps_get_one_length_scale_then_one_per_input(tmp_path):
+    oracle = make_oracle(LazyBayesianOracle, tmp_path, max_trials=40, seed=7,
+                         num_initial_points=6, isotropic_until=12)
+    run(oracle, 12)
+    trial = oracle.create_trial("driver")   # the GP catches up with the 12 results
+    assert oracle.gp.n == 12 and len(set(oracle.gp.length_scales)) == 1
+    finish(oracle, trial)
+    oracle.create_trial("driver")
+    assert oracle.gp.n == 13 and len(set(oracle.gp.length_scales)) == 2
 
 
 def hartmann6(x):
@@ -260,6 +289,12 @@ def test_refitting_while_small_finds_more_of_hartmann6_in_40_evaluations(tmp_pat
     # 18 random points, then 22 proposals; minimum -3.322. Refitted at every result: -3.09;
     # refitted once (at 18, then every lag = 20, refit_until=0) -1.66 on this seed (measured)
     assert hartmann6_best(tmp_path, 40, seed=15839) < -2.8
+
+
+def test_one_length_scale_while_small_finds_more_of_hartmann6_in_40_evaluations(tmp_path):
+    # the worst of the benchmark's 10 seeds with ARD throughout (isotropic_until=0): -0.85;
+    # one length scale up to 30 observations (the default, 5 x 6 inputs): -2.98 (measured)
+    assert hartmann6_best(tmp_path, 40, seed=1 + 7919 * 9) < -2.5
 
 
 def test_genetic_search_improves_on_random_search(tmp_path):

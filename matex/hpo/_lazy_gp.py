@@ -325,12 +325,16 @@ class LazyGP:
         grad[d + 1] = -0.5 * noise * np.trace(inner)
         return value, grad
 
-    def fit_hyperparameters(self, restarts: int = 2, seed=None, maxiter: int = 100) -> float:
+    def fit_hyperparameters(self, restarts: int = 2, seed=None, maxiter: int = 100,
+                            isotropic: bool = False) -> float:
         """Maximise the log marginal likelihood over the kernel hyperparameters, then refactor.
 
         Starts from the current values and ``restarts`` random points (bounded
         L-BFGS-B in log space); keeps the current values unless a start improves
-        on them. Returns the new log marginal likelihood.
+        on them. ``isotropic``: one length scale shared by every input (fewer
+        hyperparameters for a small GP to pin down; the current start is the
+        geometric mean of the current length scales). Returns the new log
+        marginal likelihood.
         """
         n = self.n
         if n < 2:
@@ -340,25 +344,38 @@ class LazyGP:
         x, ys = self._x[:n], (self._y[:n] - mean) / scale
         raw2 = (x[:, None, :] - x[None, :, :]) ** 2
         d = self.dim
-        bounds = ([tuple(np.log(LENGTH_SCALE_BOUNDS))] * d
+        scales = 1 if isotropic else d
+        bounds = ([tuple(np.log(LENGTH_SCALE_BOUNDS))] * scales
                   + [tuple(np.log(SIGNAL_VARIANCE_BOUNDS)), tuple(np.log(NOISE_BOUNDS))])
         low, high = np.array(bounds).T
-        current = np.clip(np.concatenate([np.log(self.length_scales),
+        log_scales = np.log(self.length_scales)
+        current = np.clip(np.concatenate([[log_scales.mean()] if isotropic else log_scales,
                                           [math.log(self.signal_variance),
                                            math.log(self.noise)]]), low, high)
+
+        def full(theta):
+            """Free parameters -> (log length scales (d), log signal variance, log noise)."""
+            return np.concatenate([np.repeat(theta[:1], d), theta[1:]]) if isotropic else theta
+
+        def objective(theta):
+            value, grad = self._negative_lml(full(theta), raw2, ys)
+            if isotropic:
+                grad = np.concatenate([[grad[:d].sum()], grad[d:]])
+            return value, grad
+
         rng = np.random.default_rng(self.seed if seed is None else seed)
         starts = [current] + [rng.uniform(low, high) for _ in range(restarts)]
-        best_theta, best_value = current, self._negative_lml(current, raw2, ys)[0]
+        best_theta, best_value = current, objective(current)[0]
         for start in starts:
             try:
-                result = scipy.optimize.minimize(self._negative_lml, start, args=(raw2, ys),
-                                                 jac=True, method="L-BFGS-B", bounds=bounds,
-                                                 options={"maxiter": maxiter})
+                result = scipy.optimize.minimize(objective, start, jac=True, method="L-BFGS-B",
+                                                 bounds=bounds, options={"maxiter": maxiter})
             except (ValueError, FloatingPointError, np.linalg.LinAlgError) as exc:
                 log.debug("LazyGP: a hyperparameter restart failed: %s", exc)
                 continue
             if np.isfinite(result.fun) and result.fun < best_value:
                 best_theta, best_value = np.clip(result.x, low, high), float(result.fun)
+        best_theta = full(best_theta)
         self.length_scales = np.exp(best_theta[:d])
         self.signal_variance = float(math.exp(best_theta[d]))
         self.noise = float(math.exp(best_theta[d + 1]))
