@@ -10,6 +10,18 @@ collective — TensorFlow ops included — uses it. What to do with the state
 around it (restore, re-synchronise, check, re-divide the work) is the one
 recovery loop's business: ``matex._recovery.run``.
 
+Which errors mean a lost rank (``is_failure``): ``MPI_ERR_PROC_FAILED`` and
+``MPI_ERR_REVOKED``, and under ULFM any other MPI error raised while a rank of
+MaTEx's communicators is known failed or they are revoked. Open MPI's
+nonblocking collectives (``coll/libnbc``: the agreement check's
+``MPI_Iallreduce`` before every collective) report a failure they find while
+starting a later round of their schedule as ``MPI_ERR_OTHER`` (Open MPI
+5.0.11): seen on rank 0, the root of the binomial reduction, when a peer died
+or a survivor revoked the communicator between two of its rounds; rank 0 then
+died instead of recovering. Reproduced with plain mpi4py: rank 0 starts an
+``Iallreduce`` and waits without progressing MPI while rank 1 sends its part
+and revokes; rank 0's wait fails with class 16.
+
 ULFM is active only under ``mpiexec --with-ft ulfm`` (``matexrun --ft``);
 without it, agreement silently degrades to a plain allreduce, so ``mode()``
 reports "none" and a failure ends the job (checkpoint/restart fallback:
@@ -23,13 +35,52 @@ import time
 import traceback
 
 from matex import _config, _runtime
-from matex.errors import MismatchError, _failure_classes, is_rank_failure
+from matex.errors import MismatchError, _failure_classes, is_rank_failure, mpi_error_class
 
 _listeners = []
 
 launched_with_ft = _config.ft_requested
 mode = _runtime.ft_mode
-is_failure = is_rank_failure
+
+
+def is_failure(error) -> bool:
+    """Whether ``error`` means a rank was lost, so the survivors should recover.
+
+    ``MPI_ERR_PROC_FAILED``/``MPI_ERR_REVOKED`` (``errors.is_rank_failure``);
+    under ULFM also an MPI error of any other class (a MaTEx op's payload or an
+    ``MPI.Exception``) raised while one of MaTEx's communicators is revoked or
+    has a rank known failed: Open MPI's nonblocking collectives report such a
+    failure as ``MPI_ERR_OTHER`` when they find it starting a later round (see
+    the module doc). An MPI error with no failure in sight stays an error.
+    """
+    if is_rank_failure(error):
+        return True
+    if mpi_error_class(error) is None or mode() != "ulfm":
+        return False
+    return failure_known()
+
+
+def failure_known() -> bool:
+    """Whether a communicator MaTEx uses is revoked or has a rank known failed (local)."""
+    from mpi4py import MPI
+
+    with _runtime._lock:
+        comms = [_runtime._comm, _runtime._control] + list(_runtime._slots.values())
+    for c in comms:
+        if c is None or c == MPI.COMM_NULL:
+            continue
+        try:
+            if c.Is_revoked():
+                return True
+            failed = c.Get_failed()
+            try:
+                if failed.Get_size() > 0:
+                    return True
+            finally:
+                failed.Free()
+        except (MPI.Exception, NotImplementedError):
+            continue   # a freed or unusable communicator says nothing
+    return False
 
 
 class RankLoss:

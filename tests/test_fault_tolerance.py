@@ -238,6 +238,65 @@ def test_long_computation_is_not_mistaken_for_a_hang(tmp_path):
     assert stdout.count("ranks 3 3") == 3, (stdout, _tail(err))
 
 
+class _Group:
+    def __init__(self, size):
+        self.size, self.freed = size, False
+
+    def Get_size(self):
+        return self.size
+
+    def Free(self):
+        self.freed = True
+
+
+class _Comm:
+    """What ``_resilience.failure_known`` asks of a communicator (ULFM's local queries)."""
+
+    def __init__(self, revoked=False, failed=0):
+        self.revoked, self.failed = revoked, _Group(failed)
+
+    def Is_revoked(self):
+        return self.revoked
+
+    def Get_failed(self):
+        return self.failed
+
+
+@pytest.mark.parametrize("comm,expected", [
+    (_Comm(revoked=True), True), (_Comm(failed=1), True), (_Comm(), False)],
+    ids=["revoked", "a-rank-failed", "no-failure"])
+def test_an_mpi_error_of_another_class_is_a_rank_failure_when_one_is_known(monkeypatch, comm,
+                                                                           expected):
+    # Open MPI 5.0's nonblocking allreduce (libnbc: MaTEx's agreement check before every
+    # collective) reports MPI_ERR_OTHER, not MPI_ERR_REVOKED/PROC_FAILED, when it finds
+    # the failure while starting a later round of its schedule: on rank 0, the binomial
+    # root, when a survivor revoked (or a peer died) between two of its rounds. Rank 0
+    # then died on "matex fused allreduce: MPI_Wait (agreement check) failed:
+    # MPI_ERR_OTHER" instead of recovering (kill-at-begin, kill-in-evaluate). Under
+    # ULFM such an error counts as a lost rank when a communicator MaTEx uses is revoked
+    # or has a rank known failed; otherwise it stays an error.
+    import tensorflow as tf
+    from mpi4py import MPI
+
+    from matex import _resilience, _runtime
+
+    monkeypatch.setattr(_resilience, "mode", lambda: "ulfm")
+    monkeypatch.setattr(_runtime, "_comm", comm)
+    monkeypatch.setattr(_runtime, "_control", None)
+    monkeypatch.setattr(_runtime, "_slots", {})
+    op_error = tf.errors.InternalError(
+        None, None, "matex fused allreduce: MPI_Wait (agreement check) failed: MPI_ERR_OTHER",
+        {"matex.mpi_error_class": str(MPI.ERR_OTHER).encode()})
+    assert _resilience.is_failure(op_error) is expected
+    assert _resilience.is_failure(MPI.Exception(MPI.ERR_OTHER)) is expected
+    assert comm.failed.freed or comm.revoked
+    # a mismatch or a plain error is never a lost rank; without ULFM nothing but the
+    # failure classes is
+    assert not _resilience.is_failure(ValueError("boom"))
+    monkeypatch.setattr(_resilience, "mode", lambda: "none")
+    assert not _resilience.is_failure(op_error)
+
+
 def test_custom_loop_under_run_resilient(tmp_path):
     out = str(tmp_path / "c")
     env = launch.launch_env()
