@@ -14,6 +14,8 @@ the page cache, the worker measures, round-robin (median of the rounds):
 - ``DataSet.train`` (per-rank batch 256, shuffled) drained in a
   ``tf.function`` loop, and consumed by ``model.fit`` with a trivial model
   (one Dense unit, ``steps_per_execution`` 16, the first execution excluded);
+- the same through the previous path (each batch gathered in a
+  ``numpy_function``), for a before/after in the same run;
 - the floor of both: a bare tf.data pipeline over the same batches already
   built as tensors (``from_tensor_slices``), drained and fit the same way;
 - h5py fancy indexing of the same batches (rows sorted, as h5py requires).
@@ -82,12 +84,18 @@ def measure_width(path, rounds, quick):
     import numpy as np
     import tensorflow as tf
 
-    from matex.readers import DataSet
+    from matex.readers import DataSet, _gather
 
     with h5py.File(path, "r") as f:
         x_all, y_all = f["x"][:], f["y"][:]
     width = x_all.shape[1]
     ds = DataSet(path, features="x", labels="y", per_rank_batch_size=BATCH)
+    _gather.NATIVE = False
+    try:
+        previous = DataSet(path, features="x", labels="y", per_rank_batch_size=BATCH)
+    finally:
+        _gather.NATIVE = True
+    assert ds._gatherer.native and not previous._gatherer.native
     steps = ds.steps_per_epoch
     batches = [rows for rows, _ in ds._train_plan(0).groups(0, 1)]
     assert len(batches) == steps
@@ -132,12 +140,15 @@ def measure_width(path, rounds, quick):
         "numpy": numpy_gather,
         "dataset": drained(train),
         "floor": drained(floor),
+        "previous": drained(previous.train),
         "dataset_fit": lambda: fit_rate(keras, model, train, steps),
+        "previous_fit": lambda: fit_rate(keras, model, previous.train, steps),
         "floor_fit": lambda: fit_rate(keras, model, floor, steps),
         "h5py_fancy": h5py_fancy,
     }
     result = _common.interleave(variants, rounds)
     ds.close()
+    previous.close()
     return result
 
 
@@ -155,8 +166,10 @@ def worker_bandwidth(args):
 
 ROWS = [("numpy", "NumPy fancy index of an in-memory array"),
         ("dataset", "DataSet.train drained in a tf.function"),
+        ("previous", "previous path (numpy_function gather), drained"),
         ("floor", "floor: tf.data over pre-built batches, drained"),
         ("dataset_fit", "DataSet.train in fit (Dense(1))"),
+        ("previous_fit", "previous path in fit"),
         ("floor_fit", "floor: pre-built batches in fit"),
         ("h5py_fancy", "h5py fancy index (sorted rows)")]
 

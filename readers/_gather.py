@@ -1,15 +1,22 @@
 """Batches gathered one at a time inside tf.data, for tables read row by row.
 
 Data read row by row (contiguous HDF5, netCDF classic: memory maps) need no
-read-ahead cache, so no Python generator either: the dataset is
-``range(steps)`` mapped, in parallel, through a gather of batch ``i`` of the
-epoch's plan. A field stored as the batch needs it (a mapped float32 feature,
-an int64 or float32 label) is gathered with ``np.take(..., out=)`` (no GIL
-held) straight from the page cache into a buffer that TensorFlow then takes
-over without a copy (numpy_function borrows 64-byte aligned arrays). Buffers
-come back to a small pool once TensorFlow drops them, so wide batches do not
-page-fault fresh memory every step. Other fields go through the table's own
-gather and conversion, as the generator path does.
+read-ahead cache, so no Python generator either. Two ways:
+
+- native (every field a single column stored raw, in native byte order, rows
+  C-contiguous at a fixed stride): the epoch's rows are handed to TensorFlow
+  once, and the tf.data source op ``MatexMappedBatchDataset``
+  (tf_ops/kernels/reader_kernels.cc) gathers each batch straight from the
+  page cache into the batch's tensor, cast to the output dtype where it
+  differs. No Python, no GIL and no function call per batch.
+- otherwise, a parallel tf.data map over the batches of the epoch's plan
+  through ``numpy_function``: a field stored as the batch needs
+  it (a mapped float32 feature, an int64 or float32 label) is gathered with
+  ``np.take(..., out=)`` (no GIL held) into a buffer that TensorFlow then
+  takes over without a copy (numpy_function borrows 64-byte aligned arrays).
+  Buffers come back to a small pool once TensorFlow drops them, so wide
+  batches do not page-fault fresh memory every step. Other fields go
+  through the table's own gather and conversion, as the generator path does.
 """
 
 import sys
@@ -28,6 +35,10 @@ _PLANS_KEPT = 2         # epochs whose plans stay readable (an iterator and its 
 _GROUP_BYTES = 256 << 10
 _MOST_GROUPED = 16
 _EPOCH_STRIDE = 1 << 32     # a batch's key: its epoch's token times this, plus its number
+# dtypes MatexMappedBatchDataset reads (its ``dtype`` attribute)
+_NATIVE_DTYPES = ("float16", "float32", "float64", "int8", "int16", "int32", "int64", "uint8",
+                  "uint16")
+NATIVE = True           # use MatexMappedBatchDataset where it can read every field (False: compare)
 
 
 def group_size(batch_bytes):
@@ -104,11 +115,48 @@ def direct_view(table, names, spec):
         return None
 
 
+def mapped_source(table, names, spec):
+    """MatexMappedBatchDataset's attributes to read field ``names`` (shaped as ``spec`` says, in
+    the file's dtype: cast after), or None when that op cannot read it as it lies.
+
+    A single MappedColumn whose place in the file is known, of a dtype the op
+    reads in native byte order, each row C-contiguous, rows at a fixed stride.
+    """
+    if not isinstance(table, ColumnTable) or len(names) != 1:
+        return None
+    column = table.columns[names[0]]
+    if not isinstance(column, MappedColumn) or column.place is None:
+        return None
+    array = column.array
+    shape = tuple(spec[0])
+    size = int(np.prod(shape, dtype=np.int64))
+    if (not array.dtype.isnative or array.dtype.name not in _NATIVE_DTYPES
+            or int(np.prod(array.shape[1:], dtype=np.int64)) != size):
+        return None
+    step = array.dtype.itemsize
+    for length, stride in reversed(list(zip(array.shape[1:], array.strides[1:]))):
+        if length > 1 and stride != step:
+            return None
+        step *= length
+    stride = array.strides[0] if array.shape[0] > 1 else step
+    if stride < step:
+        return None
+    path, offset = column.place
+    return dict(path=str(path), offset=int(offset), stride=int(stride),
+                num_rows=int(array.shape[0]), row_shape=list(shape), dtype=array.dtype.name)
+
+
 class Gatherer:
-    """Batch ``i`` of an epoch's plan for this rank, as arrays of the output dtypes."""
+    """Batch ``i`` of an epoch's plan for this rank, as arrays of the output dtypes.
+
+    ``native``: whether every field is read by MatexMappedBatchDataset (then
+    ``begin`` hands over the epoch's rows, and the op gathers the batches).
+    """
 
     def __init__(self, table, make, names, specs, keep, group):
         self._table, self._make, self.group = table, make, int(group)
+        self.sources = [mapped_source(table, n, s) for n, s in zip(names, specs)]
+        self.native = NATIVE and all(source is not None for source in self.sources)
         self._views = [direct_view(table, n, s) for n, s in zip(names, specs)]
         self._specs = specs
         self._pools = [BufferPool(keep) for _ in specs]
@@ -117,7 +165,13 @@ class Gatherer:
         self._lock = threading.Lock()
 
     def begin(self, plan, rank):
-        """Register ``plan``'s batches for ``rank``; returns the token the gathers name it by."""
+        """Register ``plan``'s batches for ``rank``; returns the token the gathers name it by.
+
+        Native: ``(rows, batch)``, rank ``rank``'s rows of ``plan`` in reading
+        order and the batch size (the last batch may be short).
+        """
+        if self.native:
+            return np.ascontiguousarray(plan.segment(rank), np.int64), np.int64(plan.batch)
         with self._lock:
             self._tokens += 1
             self._plans[self._tokens] = plan.groups(rank, self.group)
@@ -168,6 +222,8 @@ def tf_dataset(begin, gatherer, signature, groups, steps, parallel):
     import tensorflow as tf
 
     specs = signature if isinstance(signature, tuple) else (signature,)
+    if gatherer.native:
+        return _native_dataset(begin, gatherer.sources, specs, steps, parallel)
     dtypes = [s.dtype for s in specs]
 
     def start(_):
@@ -199,3 +255,60 @@ def tf_dataset(begin, gatherer, signature, groups, steps, parallel):
     from matex import _batch_slicing
 
     return _batch_slicing.mark_sharded(dataset)
+
+
+def _native_dataset(begin, sources, specs, steps, parallel):
+    """``tf_dataset`` for fields MatexMappedBatchDataset reads (``sources``: its attributes).
+
+    Per epoch, ``begin()`` gives the rank's rows and the batch size once; the
+    source op then gathers batch after batch, all inside TensorFlow (no
+    function call per batch), cast where the output dtype differs, with
+    ``parallel`` batches prefetched. Measured against a parallel map of a
+    gather op over the batches' rows: equal on 1,024-float rows, 1.7x faster
+    on 64-float rows (tf.data's per-element cost of the map).
+    """
+    import tensorflow as tf
+
+    from matex import _batch_slicing
+
+    def epoch(_):
+        rows, batch = tf.numpy_function(begin, [], [tf.int64, tf.int64], stateful=True)
+        rows.set_shape([None])
+        batch.set_shape([])
+        return _mapped_batches(rows, batch, sources)
+
+    def cast(*values):
+        out = [v if v.dtype == s.dtype else tf.cast(v, s.dtype) for v, s in zip(values, specs)]
+        return out[0] if len(out) == 1 else tuple(out)
+
+    dataset = tf.data.Dataset.range(1).flat_map(epoch)
+    if any(tf.as_dtype(s["dtype"]) != spec.dtype for s, spec in zip(sources, specs)):
+        dataset = dataset.map(cast)
+    dataset = dataset.prefetch(parallel)
+    dataset = dataset.apply(tf.data.experimental.assert_cardinality(steps))
+    return _batch_slicing.mark_sharded(dataset)
+
+
+def _mapped_batches(rows, batch, sources):
+    """The tf.data.Dataset of MatexMappedBatchDataset over ``rows`` in batches of ``batch``:
+    tuples of one batch per source, or batches when there is a single source."""
+    import tensorflow as tf
+    from tensorflow.python.data.ops import dataset_ops
+
+    from matex import _native
+
+    spec = tuple(tf.TensorSpec([None] + list(s["row_shape"]), s["dtype"]) for s in sources)
+
+    class MappedBatches(dataset_ops.DatasetSource):
+        def __init__(self):
+            super().__init__(_native.tf_ops().matex_mapped_batch_dataset(
+                rows, batch, paths=[s["path"] for s in sources],
+                offsets=[s["offset"] for s in sources], strides=[s["stride"] for s in sources],
+                num_rows=[s["num_rows"] for s in sources],
+                output_types=[t.dtype for t in spec], output_shapes=[t.shape for t in spec]))
+
+        @property
+        def element_spec(self):
+            return spec[0] if len(spec) == 1 else spec      # one field: a batch, not a 1-tuple
+
+    return MappedBatches()

@@ -15,7 +15,7 @@ import numpy as np  # noqa: E402
 from h5py._objects import phil  # noqa: E402
 
 from ._errors import ReaderError  # noqa: E402
-from ._mapped import MappedColumn, MappedFile  # noqa: E402
+from ._mapped import MappedFile  # noqa: E402
 from ._table import (ColumnTable, Concat, ConstantColumn, as_names,  # noqa: E402
                             check_lengths, select)
 
@@ -125,7 +125,7 @@ def _column(dataset, mapped, path):
     if end > mapped.size:
         raise ReaderError("%s: truncated: %r ends at byte %d but the file has %d bytes"
                           % (path, dataset.name, end, mapped.size))
-    return MappedColumn(mapped.array(offset, dataset.dtype, dataset.shape))
+    return mapped.column(offset, dataset.dtype, dataset.shape)
 
 
 def _named_table(f, path, features, labels):

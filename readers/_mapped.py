@@ -24,6 +24,10 @@ class MappedFile:
         """An ndarray view of the file at ``offset``."""
         return np.ndarray(shape, dtype=dtype, buffer=self._mmap, offset=offset, strides=strides)
 
+    def column(self, offset, dtype, shape, strides=None):
+        """A MappedColumn of the array at ``offset`` that knows where its rows lie in the file."""
+        return MappedColumn(self.array(offset, dtype, shape, strides), place=(self.path, offset))
+
     def close(self):
         """Unmap, unless views of it are still alive (they keep it mapped until collected)."""
         if self._mmap is not None:
@@ -36,8 +40,9 @@ class MappedFile:
 class MappedColumn:
     """One field stored uncompressed and contiguous (or at a fixed stride) in a mapped file."""
 
-    def __init__(self, array):
+    def __init__(self, array, place=None):
         self.array = array
+        self.place = place      # (file, byte offset of row 0), or None when not known
         self.dtype, self.shape = array.dtype, array.shape[1:]
         self.num_rows = array.shape[0]
         self.unit_rows = 1

@@ -14,7 +14,7 @@ import struct
 import numpy as np
 
 from ._errors import ReaderError
-from ._mapped import MappedColumn, MappedFile
+from ._mapped import MappedFile
 from ._table import ColumnTable, as_names, check_lengths, select
 
 _TYPES = {1: ">i1", 2: "S1", 3: ">i2", 4: ">i4", 5: ">f4", 6: ">f8",
@@ -150,8 +150,8 @@ def _classic_table(path, features, labels):
         for length in reversed(inner):
             strides.insert(0, stride)
             stride *= length
-        array = mapped.array(begin, dtype, tuple([rows] + inner), tuple([step] + strides))
-        columns[name] = MappedColumn(array)
+        columns[name] = mapped.column(begin, dtype, tuple([rows] + inner),
+                                      tuple([step] + strides))
     check_lengths({n: c.num_rows for n, c in columns.items()}, path)
     return ColumnTable(path, columns, mapped=mapped), xs, ys
 

@@ -384,13 +384,19 @@ def test_buffer_pool_reuses_only_arrays_nobody_holds():
 
 
 def dataset_batches(dataset):
+    """The batches as tuples of arrays (a dataset of bare tensors: 1-tuples)."""
     return [tuple(t.numpy() for t in batch) if isinstance(batch, tuple) else (batch.numpy(),)
             for batch in dataset]
 
 
-@pytest.mark.parametrize("group", [1, 3])
-def test_gathered_batches_are_the_generator_paths(tmp_path, group):
-    """Same batches, epoch after epoch, as the generator path; held batches stay intact."""
+@pytest.mark.parametrize("native,group", [(True, 1), (False, 1), (False, 3)])
+def test_gathered_batches_are_the_generator_paths(tmp_path, native, group):
+    """Same batches, epoch after epoch, as the generator path; held batches stay intact.
+
+    ``native``: fields stored raw in native byte order go through the source
+    op MatexMappedBatchDataset (cast after where the dtype differs), the
+    others through numpy_function; without it, all through numpy_function.
+    """
     import h5py
 
     from matex.readers import DataSet
@@ -400,18 +406,26 @@ def test_gathered_batches_are_the_generator_paths(tmp_path, group):
     with h5py.File(tmp_path / "d.h5", "w") as f:
         f["x"], f["y"] = x, np.arange(n) * 3
         f["big"] = x.astype(">f8")                   # converted, not gathered as is
+        f["wide"] = (x + 0.1).astype("<f8")          # gathered as is, cast to float32
+        f["y32"] = (np.arange(n) * 7).astype(np.int32)
         f["s"] = np.arange(n, dtype=np.float32)      # scalar samples: shape (1,)
-    cases = [dict(features="x", labels="y"), dict(features="big", labels="y"),
-             dict(features=["x", "s"], labels="y"), dict(features="s", labels=None)]
-    for options in cases:
+        f["img"] = np.arange(n * 12, dtype=np.float32).reshape(n, 2, 3, 2)
+    cases = [(dict(features="x", labels="y"), True), (dict(features="big", labels="y"), False),
+             (dict(features="wide", labels="y32"), True),
+             (dict(features=["x", "s"], labels="y"), False),
+             (dict(features="s", labels=None), True), (dict(features="img", labels="y"), True)]
+    for options, by_op in cases:
         fast = DataSet(str(tmp_path / "d.h5"), per_rank_batch_size=32, validation_split=0.1,
                        seed=5, **options)
         slow = DataSet(str(tmp_path / "d.h5"), per_rank_batch_size=32, validation_split=0.1,
                        seed=5, **options)
         assert fast._gatherer is not None
+        assert fast._gatherer.native == by_op, options
+        fast._gatherer.native = native and by_op
         fast._gatherer.group = group
         slow._gatherer = None
         try:
+            assert fast.train.element_spec == slow.train.element_spec, options
             for _ in range(2):
                 got, want = dataset_batches(fast.train), dataset_batches(slow.train)
                 assert len(got) == len(want) == fast.steps_per_epoch == len(fast.train)
@@ -427,6 +441,30 @@ def test_gathered_batches_are_the_generator_paths(tmp_path, group):
         finally:
             fast.close()
             slow.close()
+
+
+def test_mapped_batch_dataset_checks_rows_and_file(tmp_path):
+    """The source op refuses rows outside the table and a table past the file's end."""
+    import tensorflow as tf
+
+    from matex.readers import _gather
+
+    path = tmp_path / "t.bin"
+    table = np.arange(40, dtype=np.float32).reshape(10, 4)
+    path.write_bytes(b"\0" * 16 + table.tobytes())
+    source = dict(path=str(path), offset=16, stride=16, num_rows=10, row_shape=[4],
+                  dtype="float32")
+    rows = tf.constant([9, 0, 3, 3, 7], tf.int64)
+    got = [b.numpy() for b in _gather._mapped_batches(rows, tf.constant(2, tf.int64),
+                                                     [source])]
+    assert [len(b) for b in got] == [2, 2, 1]
+    assert np.array_equal(np.concatenate(got), table[[9, 0, 3, 3, 7]])
+    with pytest.raises(tf.errors.InvalidArgumentError, match="outside the table's 10 rows"):
+        list(_gather._mapped_batches(tf.constant([1, 10], tf.int64), tf.constant(2, tf.int64),
+                                     [source]))
+    with pytest.raises(tf.errors.InvalidArgumentError, match="the table ends at byte 192"):
+        list(_gather._mapped_batches(rows, tf.constant(2, tf.int64),
+                                     [dict(source, offset=32)]))
 
 
 def test_gathered_epochs_differ_and_cover_every_sample(tmp_path):
