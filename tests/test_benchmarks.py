@@ -154,6 +154,8 @@ def test_hpo_driver(tmp_path):
     assert_targets(stdout, 4)
     per = results["gp_update"]["per_observation"]
     assert set(per) == {str(n) for n in results["gp_update"]["sizes"]}
+    largest = results["gp_update"]["sizes"][-1]
+    assert set(results["gp_update"]["add_growth"]) == {str(largest), str(2 * largest)}
     assert all(math.isfinite(n) and n > 0 for n in numbers(per))
     quality = results["quality"]
     assert quality["seeds"] == 2 and len(quality["budgets"]) == 2
