@@ -133,12 +133,12 @@ def test_scaling_driver(tmp_path):
 def test_reader_bandwidth(tmp_path):
     stdout, results = run_driver("reader_bandwidth", tmp_path)
     assert_finite_table(stdout)
-    assert len(table_rows(stdout)) == 12
+    assert len(table_rows(stdout)) == 16
     assert_targets(stdout, 5)
     for width in ("64", "1024"):
         figures = results["bandwidth"][width]
         assert set(figures) == {"numpy", "dataset", "floor", "dataset_fit", "floor_fit",
-                                "h5py_fancy"}
+                                "previous", "previous_fit", "h5py_fancy"}
         assert all(math.isfinite(n) and n > 0 for n in figures.values())
 
 
