@@ -229,20 +229,26 @@ def _set_comm(comm, owned=True):
                     pass   # a communicator the failure left unusable: nothing to release
 
 
+_pointed = False   # whether the core was handed the communicators (by _core)
+
+
 def _core():
     """The pybind11 core, pointed at the current communicator."""
     from mpi4py import MPI
 
     from matex import _native
 
+    global _pointed
     init()
-    loaded = _native._core is not None
     module = _native.core()
-    if not loaded:
-        module.set_communicator(MPI._handleof(_comm))
+    if not _pointed:
+        # once per process, whoever loaded the module first: the readers load the op
+        # library (and with it the core) for their tf.data op without any communicator
         with _lock:
+            module.set_communicator(MPI._handleof(_comm))
             for slot, sub in _slots.items():
                 module.set_communicator_slot(slot, MPI._handleof(sub))
+            _pointed = True
     while _core_hooks:
         _core_hooks.pop(0)(module)
     return module
@@ -327,7 +333,7 @@ def on_core_ready(hook):
     """
     from matex import _native
 
-    if _native._core is not None and _comm is not None:
+    if _pointed:
         hook(_native._core)
     else:
         _core_hooks.append(hook)
