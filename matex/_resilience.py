@@ -64,10 +64,8 @@ def failure_known() -> bool:
     """Whether a communicator MaTEx uses is revoked or has a rank known failed (local)."""
     from mpi4py import MPI
 
-    with _runtime._lock:
-        comms = [_runtime._comm, _runtime._control] + list(_runtime._slots.values())
-    for c in comms:
-        if c is None or c == MPI.COMM_NULL:
+    for c in _runtime.communicators():
+        if c == MPI.COMM_NULL:
             continue
         try:
             if c.Is_revoked():

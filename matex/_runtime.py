@@ -229,6 +229,12 @@ def _set_comm(comm, owned=True):
                     pass   # a communicator the failure left unusable: nothing to release
 
 
+def communicators() -> list:
+    """Every communicator MaTEx uses now (data, control, slots), without initialising MPI."""
+    with _lock:
+        return [c for c in [_comm, _control] + list(_slots.values()) if c is not None]
+
+
 _pointed = False   # whether the core was handed the communicators (by _core)
 
 
