@@ -76,6 +76,10 @@ def test_allreduce(tmp_path):
         assert set(row) == {"mwms", "mwms_function"}
     for calls in results["mpi"]["mpi_calls"].values():
         assert calls == {"eager": 2, "function": 2, "eager_nocheck": 1, "function_nocheck": 1}
+    for faults in results["mpi"]["faults"].values():
+        assert set(faults) == {"mpi", "function"}
+        assert all(math.isfinite(n) and n >= 0 for n in faults.values())
+    assert "Minor page faults per allreduce" in stdout
 
 
 def test_small_tensors(tmp_path):

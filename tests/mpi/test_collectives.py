@@ -230,6 +230,40 @@ def test_mismatch_fails_on_every_rank_quickly(what):
     assert float(matex.allreduce(tf.constant(1.0), "sum")) == N
 
 
+@pytest.mark.parametrize("how", ["dynamic shape", "static shapes, one call skipped"])
+def test_mismatch_after_many_agreeing_executions_is_caught(how):
+    # The check runs at every execution of a traced collective, not only at
+    # its first ones: after 20 agreeing steps, a dynamic dimension that
+    # differs, or one rank skipping a call (its data ended a step early, so
+    # its metric reduction meets the others' gradient reduction), is still a
+    # MismatchError on every rank, never a hang or wrong sums.
+    started = time.time()
+
+    @tf.function(input_signature=[tf.TensorSpec([None], tf.float32)])
+    def gradients(x):
+        return matex.allreduce(x, op="sum")
+
+    @tf.function
+    def metric(x):
+        return matex.allreduce(x, op="average")
+
+    for _ in range(20):
+        assert float(gradients(tf.ones([8]))[0]) == N
+        assert float(metric(tf.ones([2]))[0]) == 1.0
+    with pytest.raises(tf.errors.InvalidArgumentError) as info:
+        if how == "dynamic shape":
+            gradients(tf.ones([8 + (R == 0)]))
+        elif R == 0:
+            metric(tf.ones([2]))
+        else:
+            gradients(tf.ones([8]))
+    assert matex.errors.is_mismatch(info.value)
+    assert time.time() - started < 30
+    for r in range(N):
+        assert "rank %d:" % r in str(info.value)
+    assert float(matex.allreduce(tf.constant(1.0), "sum")) == N
+
+
 def test_broadcast_shape_mismatch_fails_everywhere():
     with pytest.raises(tf.errors.InvalidArgumentError, match="broadcast"):
         matex.broadcast(tf.ones([2 + (R == 0)]), root=0)
