@@ -94,13 +94,15 @@ class Groups:
     def resilient(call):
         """``call()`` over the group; after a rank failure (ULFM) shrink the group and redo it."""
         from matex import _resilience
-        from matex.errors import is_rank_failure
 
         for attempt in range(8):
             try:
                 return call()
             except Exception as exc:
-                if not is_rank_failure(exc) or _runtime.ft_mode() != "ulfm" or attempt == 7:
+                # the recovery loop's own test: under ULFM an MPI error of another
+                # class while a failure is known is that failure too
+                if not _resilience.is_failure(exc) or _runtime.ft_mode() != "ulfm" \
+                        or attempt == 7:
                     raise
                 _resilience.recover()
 
