@@ -92,6 +92,20 @@ def _nbytes(variables):
     return int(sum(np.prod(v.shape) * np.dtype(v.dtype).itemsize for v in variables))
 
 
+def _checkpoint_generation(directory):
+    """The generation ``directory/meta.json`` names: None for none (no checkpoint, an
+    unreadable one, or one written before generations)."""
+    import json
+    import os
+
+    try:
+        with open(os.path.join(directory, "meta.json")) as f:
+            generation = json.load(f).get("generation")
+    except (OSError, ValueError, AttributeError):
+        return None
+    return generation if isinstance(generation, int) else None
+
+
 class PipelineModel(keras.Model):
     """A Keras model split into pipeline stages, one per pipeline rank.
 
@@ -632,12 +646,15 @@ class PipelineModel(keras.Model):
 
     # ---- checkpoints: resume with another number of data replicas ---------------
 
-    def _checkpoint_file(self, directory):
+    def _checkpoint_file(self, directory, generation=None):
+        """This rank's stage file of checkpoint ``generation`` (None: the unnumbered name
+        of checkpoints written before generations)."""
         import os
 
         L = self._layout
-        return os.path.join(directory, "stage%d_tensor%d.npz" % (L.pipeline_rank,
-                                                                 L.tensor_rank))
+        suffix = "" if generation is None else ".g%d" % generation
+        return os.path.join(directory, "stage%d_tensor%d%s.npz" % (L.pipeline_rank,
+                                                                   L.tensor_rank, suffix))
 
     def _optimizer_variables(self):
         optimizer = getattr(self, "optimizer", None)
@@ -653,9 +670,12 @@ class PipelineModel(keras.Model):
 
         Collective. Each (stage, tensor shard) of data replica 0 writes its
         stage's variables and its optimizer's variables (Adam's moments, the
-        step count) to ``directory/stage<p>_tensor<t>.npz``; world rank 0
-        writes ``meta.json`` (P, T, D, the stages) last, once every stage file is
-        in place; each file goes through a temporary and a rename. The replicas are
+        step count) to ``directory/stage<p>_tensor<t>.g<N>.npz``, N one more than
+        the generation ``meta.json`` names; world rank 0 writes ``meta.json`` (P, T,
+        D, the stages, N) last, once every stage file is in place, each file
+        through a temporary and a rename; only then go generation N-1's files. A
+        save interrupted anywhere leaves the previous checkpoint whole: the
+        ``meta.json`` in place names only stage files of one generation. The replicas are
         equal, so one copy serves any number of them:
         ``restore_checkpoint`` on a grid with the same pipeline and tensor
         sizes and any data size continues the run as if it had not stopped.
@@ -681,23 +701,39 @@ class PipelineModel(keras.Model):
                 dump(f)
             os.replace(target + ".tmp", target)
 
+        previous = None
+        if L.world_rank == 0:
+            previous = _checkpoint_generation(directory)
+        previous = L.control.bcast(previous, root=0)
+        generation = (previous or 0) + 1
+
         def store_stage():
             variables = self._optimizer_variables()
             os.makedirs(directory, exist_ok=True)
             if L.data_rank == 0:
                 arrays = {"w%d" % i: np.asarray(v) for i, v in enumerate(self.stage.variables)}
                 arrays.update({"o%d" % i: np.asarray(v) for i, v in enumerate(variables)})
-                replace(self._checkpoint_file(directory), lambda f: np.savez(f, **arrays), "wb")
+                replace(self._checkpoint_file(directory, generation),
+                        lambda f: np.savez(f, **arrays), "wb")
 
         def store_meta():
             if L.world_rank == 0:
                 meta = {"pipeline": L.pipeline_size, "tensor": L.tensor_size,
-                        "data": L.data_size, "stages": self.plan.stage_layers}
+                        "data": L.data_size, "stages": self.plan.stage_layers,
+                        "generation": generation}
                 replace(os.path.join(directory, "meta.json"), lambda f: json.dump(meta, f), "w")
 
         _agree(L.control, written(store_stage))
         # last, once every stage's file is in place: a meta.json never names missing stages
         _agree(L.control, written(store_meta))
+        if L.data_rank == 0:
+            # the previous generation is no longer named; a file left behind is harmless
+            for stale in (self._checkpoint_file(directory, previous),
+                          self._checkpoint_file(directory, generation) + ".tmp"):
+                try:
+                    os.remove(stale)
+                except OSError:
+                    pass
 
     def restore_checkpoint(self, directory: str) -> None:
         """Load what ``save_checkpoint`` wrote: stage and optimizer variables (collective).
@@ -736,7 +772,7 @@ class PipelineModel(keras.Model):
                     % (directory, meta["pipeline"], meta["tensor"], meta["stages"],
                        L.pipeline_size, L.tensor_size, self.plan.stage_layers))
             variables = self._optimizer_variables()
-            with np.load(self._checkpoint_file(directory)) as data:
+            with np.load(self._checkpoint_file(directory, meta.get("generation"))) as data:
                 pairs = [(v, data["w%d" % i]) for i, v in enumerate(self.stage.variables)]
                 pairs += [(v, data["o%d" % i]) for i, v in enumerate(variables)]
                 if len(data.files) != len(pairs):

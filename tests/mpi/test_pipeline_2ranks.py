@@ -132,3 +132,37 @@ def test_dataset_batch_that_does_not_divide_fails_in_the_step():
     ds = tf.data.Dataset.from_tensor_slices((x, y)).batch(6)   # 6, 6, 4 rows
     with pytest.raises(tf.errors.InvalidArgumentError, match="must divide"):
         pm.fit(ds, verbose=0)
+
+
+def test_an_interrupted_checkpoint_save_leaves_the_previous_one_whole(tmp_path):
+    # A save that stops after the stage files, before meta.json (here: meta.json's
+    # temporary cannot be created), must leave the previous checkpoint whole: its
+    # meta.json names stage files of its own generation, not the half-written ones.
+    import os
+
+    from mpi4py import MPI
+
+    directory = MPI.COMM_WORLD.bcast(str(tmp_path / "checkpoint") if R == 0 else None)
+    x, y = regression((6,))
+    pm = compile_(PipelineModel(mlp(2), microbatches=2))
+    pm.fit(x, y, batch_size=BATCH, epochs=1, verbose=0)
+    pm.save_checkpoint(directory)
+    saved = [np.asarray(v).copy() for v in pm.stage.variables]
+    pm.fit(x, y, batch_size=BATCH, epochs=1, verbose=0)
+    assert any(not np.array_equal(np.asarray(v), w) for v, w in zip(pm.stage.variables, saved))
+    if R == 0:
+        os.mkdir(os.path.join(directory, "meta.json.tmp"))
+    MPI.COMM_WORLD.Barrier()
+    with pytest.raises(ValueError, match="checkpoint|rank 0 failed"):
+        pm.save_checkpoint(directory)
+    pm.restore_checkpoint(directory)
+    for v, w in zip(pm.stage.variables, saved):
+        np.testing.assert_array_equal(np.asarray(v), w)
+    # the next save goes through and leaves one generation behind
+    if R == 0:
+        os.rmdir(os.path.join(directory, "meta.json.tmp"))
+    MPI.COMM_WORLD.Barrier()
+    pm.save_checkpoint(directory)
+    MPI.COMM_WORLD.Barrier()
+    assert sorted(os.listdir(directory)) == ["meta.json", "stage0_tensor0.g2.npz",
+                                             "stage1_tensor0.g2.npz"]
