@@ -24,7 +24,7 @@ import threading
 
 import numpy as np
 
-from matex import _config, timeline
+from matex import timeline
 
 from ._errors import ReaderError
 from ._mapped import MappedColumn
@@ -158,8 +158,8 @@ class Gatherer:
         self.sources = [mapped_source(table, n, s) for n, s in zip(names, specs)]
         # a timeline (MATEX_TIMELINE or timeline.start) records each read on its reader
         # row, which only the Python gather can do: the op's reads would be invisible
-        traced = timeline.active() or bool(_config.timeline_dir())
-        self.native = NATIVE and not traced and all(s is not None for s in self.sources)
+        self.native = (NATIVE and not timeline.requested()
+                       and all(s is not None for s in self.sources))
         self._views = [direct_view(table, n, s) for n, s in zip(names, specs)]
         self._specs = specs
         self._pools = [BufferPool(keep) for _ in specs]

@@ -91,7 +91,7 @@ def _observers(global_batch):
     from matex.callbacks import MonitorCallback, TimelineCallback
 
     out = []
-    if timeline.active() or _config.timeline_dir():
+    if timeline.requested():
         out.append(TimelineCallback())
     if _config.monitor():
         out.append(MonitorCallback(global_batch))

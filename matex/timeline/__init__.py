@@ -107,6 +107,12 @@ def active() -> bool:
     return _writer is not None
 
 
+def requested() -> bool:
+    """Whether a timeline is written now or ``MATEX_TIMELINE`` asks for one (started
+    later, at MaTEx's start): what decides whether to instrument for it."""
+    return active() or bool(_config.timeline_dir())
+
+
 def writer():
     """The running writer, or None (used by the timeline callback)."""
     return _writer
