@@ -728,12 +728,10 @@ class PipelineModel(keras.Model):
         _agree(L.control, written(store_meta))
         if L.data_rank == 0:
             # the previous generation is no longer named; a file left behind is harmless
-            for stale in (self._checkpoint_file(directory, previous),
-                          self._checkpoint_file(directory, generation) + ".tmp"):
-                try:
-                    os.remove(stale)
-                except OSError:
-                    pass
+            try:
+                os.remove(self._checkpoint_file(directory, previous))
+            except OSError:
+                pass
 
     def restore_checkpoint(self, directory: str) -> None:
         """Load what ``save_checkpoint`` wrote: stage and optimizer variables (collective).
