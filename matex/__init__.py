@@ -38,6 +38,12 @@ def _start_observers(core):
 
 _runtime_module.on_core_ready(_start_observers)
 
+# MaTEx's custom Keras layers (StageBoundary, the tensor-parallel layers) load with
+# keras.saving.load_model after `import matex`: registered once Keras is loaded
+from matex.parallel import _saving as _layer_saving  # noqa: E402
+
+_layer_saving.install()
+
 __all__ = [
     "init", "rank", "size", "local_rank", "local_size", "comm",
     "allreduce", "broadcast", "allgather", "broadcast_variables",

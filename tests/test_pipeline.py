@@ -129,3 +129,84 @@ def test_pipeline_four_ranks(tmp_path):
     whole = keras.models.load_model(out / "pipelined.keras")
     np.testing.assert_allclose(whole.predict(np.load(out / "x.npy"), verbose=0),
                                np.load(out / "predictions.npy"), rtol=1e-5, atol=1e-6)
+
+
+# ---- custom layers load after `import matex` (issue #24 item 6) --------------------
+
+_LOAD = """
+import json, sys
+import numpy as np
+order = sys.argv[1]
+if order == "matex-first":
+    import matex
+    import keras
+elif order == "matex-then-tensorflow":   # TensorFlow loads Keras itself
+    import matex
+    import tensorflow
+    import keras
+else:
+    import keras
+    import matex
+loaded = {}
+m = keras.saving.load_model(sys.argv[2])          # StageBoundary: no other matex import
+loaded["boundary"] = [type(layer).__name__ for layer in m.layers]
+loaded["boundary_predictions"] = m.predict(np.load(sys.argv[4]), verbose=0).tolist()
+import matex.parallel as mp
+mp.grid(tensor=1)                                  # the tensor-parallel layers need a grid
+m = keras.saving.load_model(sys.argv[3])
+loaded["tensor"] = [type(layer).__name__ for layer in m.layers]
+loaded["tensor_predictions"] = m.predict(np.load(sys.argv[5]), verbose=0).tolist()
+print(json.dumps(loaded))
+"""
+
+
+def test_every_custom_layer_loads_after_import_matex(tmp_path):
+    """A saved model holding each MaTEx layer (StageBoundary; ColumnParallelDense,
+    RowParallelDense, ParallelConv2D) loads with keras.saving.load_model in a fresh
+    process after only `import matex` (before or after `import keras`, or before
+    `import tensorflow`, which imports Keras) and predicts as
+    saved. Before the fix: "Could not locate class 'StageBoundary'"."""
+    import json
+    import subprocess
+
+    import keras
+
+    import matex.parallel as mp
+    from matex.parallel._stages import StageBoundary
+
+    keras.utils.set_random_seed(1)
+    boundary = keras.Sequential([keras.Input((4,)), keras.layers.Dense(5, name="a"),
+                                 StageBoundary(name="cut"), keras.layers.Dense(2, name="b")])
+    g = mp.grid(tensor=1)
+    try:
+        inp = keras.Input((6, 6, 2))
+        h = mp.ParallelConv2D(4, 3, padding="same", activation="relu", name="conv")(inp)
+        h = keras.layers.Flatten()(h)
+        h = mp.ColumnParallelDense(8, gather_output=False, activation="tanh", name="col")(h)
+        out = mp.RowParallelDense(3, input_is_parallel=True, name="row")(h)
+        tensor = keras.Model(inp, out)
+        xb = np.random.default_rng(0).normal(size=(5, 4)).astype("float32")
+        xt = np.random.default_rng(1).normal(size=(5, 6, 6, 2)).astype("float32")
+        expected_b = boundary.predict(xb, verbose=0)
+        expected_t = tensor.predict(xt, verbose=0)
+        boundary.save(tmp_path / "boundary.keras")
+        tensor.save(tmp_path / "tensor.keras")
+    finally:
+        g.close()
+    np.save(tmp_path / "xb.npy", xb)
+    np.save(tmp_path / "xt.npy", xt)
+    env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2", PYTHONPATH=ROOT)
+    for order in ("matex-first", "matex-then-tensorflow", "keras-first"):
+        proc = subprocess.run(
+            [sys.executable, "-c", _LOAD, order, str(tmp_path / "boundary.keras"),
+             str(tmp_path / "tensor.keras"), str(tmp_path / "xb.npy"),
+             str(tmp_path / "xt.npy")],
+            capture_output=True, text=True, timeout=300, env=env)
+        assert proc.returncode == 0, "%s: %s" % (order, proc.stderr[-3000:])
+        got = json.loads(proc.stdout.splitlines()[-1])
+        assert got["boundary"] == ["Dense", "StageBoundary", "Dense"], order
+        assert got["tensor"] == ["InputLayer", "ParallelConv2D", "Flatten",
+                                 "ColumnParallelDense", "RowParallelDense"], order
+        np.testing.assert_allclose(got["boundary_predictions"], expected_b, rtol=1e-6)
+        np.testing.assert_allclose(got["tensor_predictions"], expected_t, rtol=1e-5,
+                                   atol=1e-6)

@@ -29,12 +29,18 @@ False (the ops have no XLA kernels).
 import keras
 import tensorflow as tf
 
-from matex import _collectives, _compat
-from matex.parallel import _grid
+from matex import _compat
+
+# The layer classes are registered with Keras (package "matex") when this module is
+# imported, which ``import matex`` arranges as soon as Keras is loaded
+# (``matex.parallel._saving``): so this module imports neither MPI (``_grid``) nor the
+# collectives at import time, only where they are used.
 
 
 def _tensor_group(grid):
     """(slot, size, rank) of the tensor group of ``grid`` (default: the open grid)."""
+    from matex.parallel import _grid
+
     grid = grid if grid is not None else _grid.current()
     if grid is None:
         raise ValueError("tensor-parallel layers need a grid: open one with "
@@ -44,6 +50,8 @@ def _tensor_group(grid):
 
 def copy_to_tensor_group(x, slot: int):
     """Identity forward; the gradient is summed over the tensor group (Megatron's "f")."""
+    from matex import _collectives
+
     @tf.custom_gradient
     def f(x):
         def grad(dy):
@@ -54,6 +62,8 @@ def copy_to_tensor_group(x, slot: int):
 
 def reduce_from_tensor_group(x, slot: int):
     """Sum over the tensor group forward; identity backward (Megatron's "g")."""
+    from matex import _collectives
+
     @tf.custom_gradient
     def g(x):
         def grad(dy):
@@ -64,6 +74,8 @@ def reduce_from_tensor_group(x, slot: int):
 
 def gather_from_tensor_group(x, slot: int, size: int, rank: int):
     """Concatenate the group's shards along the last axis; backward keeps this rank's slice."""
+    from matex import _collectives
+
     @tf.custom_gradient
     def gather(x):
         rank_ = len(x.shape)
@@ -137,6 +149,7 @@ class _ParallelDense(_TensorParallel):
         return config
 
 
+@keras.saving.register_keras_serializable(package="matex")
 class ColumnParallelDense(_ParallelDense):
     """Dense layer whose output features are split over the tensor group.
 
@@ -183,6 +196,7 @@ class ColumnParallelDense(_ParallelDense):
         return dict(super().get_config(), gather_output=self.gather_output)
 
 
+@keras.saving.register_keras_serializable(package="matex")
 class RowParallelDense(_ParallelDense):
     """Dense layer whose input features are split over the tensor group.
 
@@ -234,6 +248,7 @@ class RowParallelDense(_ParallelDense):
         return dict(super().get_config(), input_is_parallel=self.input_is_parallel)
 
 
+@keras.saving.register_keras_serializable(package="matex")
 class ParallelConv2D(_TensorParallel):
     """Conv2D (channels-last) whose output channels are split over the tensor group.
 
@@ -428,6 +443,8 @@ def gather_model(model, grid=None, root: int = 0):
     """
     import numpy as np
 
+    from matex.parallel import _grid
+
     grid = grid if grid is not None else _grid.current()
     if grid is None:
         raise ValueError("gather_model: no grid: open one with matex.parallel.grid(...) or "
@@ -479,6 +496,8 @@ def save_model(model, filepath, grid=None, root: int = 0, overwrite: bool = True
     ``keras.models.load_model`` in one process, without MaTEx. The optimizer
     state is not saved. Raises ``RuntimeError`` on every rank if writing failed.
     """
+    from matex.parallel import _grid
+
     whole = gather_model(model, grid, root)
     error = None
     if whole is not None:
