@@ -23,13 +23,21 @@ when slices differ (or one is empty). Outside a row-weighted step (custom
 loops) the plain sum is used, which is exact for the optimizer's plain
 average.
 
-Layers without ``synchronized=True`` are untouched (per-rank statistics).
+Layers without ``synchronized=True`` keep per-rank statistics (averaged over
+ranks once per epoch by ``fit``, ``metrics.AverageMovingStatistics``). A rank
+whose slice of a global batch is empty (17 rows in batches of 8 on 3 ranks:
+the last batch has one row) leaves its moving statistics as they were
+and gets zero gradients (``install`` patches ``BatchNormalization.call``):
+Keras's moments of zero rows are 0/0 = NaN, which it would fold into the
+moving mean and variance and into ``gamma``'s gradient, and the per-epoch
+average and the gradient allreduce would carry the NaN to every rank.
 Inside a real ``tf.distribute`` strategy, and in a single process, Keras's own
 function runs. Not covered: a call with a ``mask`` (Keras computes masked
 moments itself, never synchronised) and XLA (``jit_compile=True``: the
 allreduce has no XLA kernel, compilation fails naming ``MatexAllreduce``).
 """
 
+import functools
 import logging
 import threading
 
@@ -151,8 +159,36 @@ class weighted_by:
         _row_stack().pop()
 
 
+# ---- an empty slice leaves the state alone ------------------------------------
+
+def _empty_batch_as_inference(original):
+    """``BatchNormalization.call`` that treats an empty training batch as inference.
+
+    On zero rows Keras's batch moments are 0/0 = NaN: they would go into the
+    moving statistics and, through the normalisation's gradient (0 * NaN),
+    into ``gamma``. An empty batch instead runs the inference branch (moving
+    statistics, no update): the output is empty either way, the state stays
+    as it was and the gradients are zero. Synchronised layers on several
+    ranks are left alone: their moments are the global batch's, the same on
+    every rank, and every rank must apply them to stay equal.
+    """
+    @functools.wraps(original)
+    def call(self, inputs, training=None, mask=None):
+        if (not (training and self.trainable)
+                or (self.synchronized and _runtime.size() > 1)):
+            return original(self, inputs, training=training, mask=mask)
+        return tf.cond(tf.equal(tf.size(inputs), 0),
+                       lambda: original(self, inputs, training=False, mask=mask),
+                       lambda: original(self, inputs, training=training, mask=mask))
+
+    return call
+
+
 def install() -> None:
-    """Make ``BatchNormalization(synchronized=True)`` synchronise over MaTEx ranks (idempotent)."""
+    """Make ``BatchNormalization(synchronized=True)`` synchronise over MaTEx ranks (idempotent).
+
+    Also makes every ``BatchNormalization`` ignore an empty batch (see the module doc).
+    """
     global _installed
     with _lock:
         if _installed:
@@ -165,4 +201,9 @@ def install() -> None:
                          "uses per-rank statistics", nn.__name__, name)
         elif getattr(original, "_matex_original", None) is None:
             setattr(nn, name, _moments_sync(original))
+        import keras
+
+        from matex._keras.calls import patch
+
+        patch(keras.layers.BatchNormalization, "call", _empty_batch_as_inference)
         _installed = True

@@ -13,7 +13,7 @@ import tensorflow as tf
 
 import matex
 from matex import _batch_slicing
-from helpers import gather
+from helpers import all_equal_bytes, gather
 from subcomm import SubCommunicator
 
 R, N = matex.rank(), matex.size()
@@ -201,3 +201,49 @@ def test_pydataset_reads_rank_and_size_per_batch():
         after = sharded[1].tolist()
     assert before == expected_slices(R, N)[1]
     assert after == expected_slices(rank, size)[1]
+
+
+# ---- fit/evaluate/predict on arrays: what Keras gets on each rank ------------------
+
+def test_batchnorm_rank_with_empty_slice_keeps_its_statistics():
+    # 17 rows in global batches of 8: the last batch has 1 row, so on 2 or 3 ranks
+    # some rank's slice of it is empty; its moments would be 0/0 = NaN
+    import matex.keras  # noqa: F401 - installs the Keras patches
+
+    rows, batch, momentum, epochs = 17, 8, 0.5, 2
+    rng = np.random.default_rng(5)
+    x = (rng.normal(size=(rows, 3)) * 2.0 + 1.0).astype("float32")
+    y = rng.normal(size=(rows, 1)).astype("float32")
+    keras.utils.set_random_seed(4)
+    model = keras.Sequential([keras.Input((3,)), keras.layers.BatchNormalization(momentum=momentum),
+                              keras.layers.Dense(4),
+                              keras.layers.BatchNormalization(momentum=momentum),
+                              keras.layers.Dense(1)])
+    model.compile(optimizer=keras.optimizers.SGD(0.05), loss="mse")
+    history = model.fit(x, y, batch_size=batch, epochs=epochs, shuffle=False, verbose=0)
+    first = model.layers[0]
+    # the first layer's statistics are those of the data: each rank updates from its
+    # non-empty slices only, and fit averages the ranks' statistics after each epoch
+    mean, var = np.zeros(3), np.ones(3)
+    for _ in range(epochs):
+        ranks = []
+        for r in range(N):
+            m, v = mean.copy(), var.copy()
+            for start in range(0, rows, batch):
+                whole = x[start:start + batch].astype(np.float64)
+                lo, hi = _batch_slicing.slice_bounds(len(whole), r, N)
+                if hi > lo:
+                    m = momentum * m + (1 - momentum) * whole[lo:hi].mean(0)
+                    v = momentum * v + (1 - momentum) * whole[lo:hi].var(0)
+            ranks.append((m, v))
+        mean, var = np.mean([m for m, _ in ranks], 0), np.mean([v for _, v in ranks], 0)
+    np.testing.assert_allclose(first.moving_mean.numpy(), mean, rtol=1e-5)
+    np.testing.assert_allclose(first.moving_variance.numpy(), var, rtol=1e-5)
+    state = [v.numpy() for v in model.variables]
+    assert all(np.isfinite(s).all() for s in state) and np.isfinite(history.history["loss"]).all()
+    assert all_equal_bytes(state)
+    loss = model.evaluate(x, y, batch_size=batch, verbose=0)
+    predicted = model.predict(x, batch_size=batch, verbose=0)
+    np.testing.assert_allclose(predicted, model(x, training=False).numpy(), rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(loss, np.mean((predicted - y) ** 2), rtol=1e-4)
+    assert len(set(gather(float(loss)))) == 1
