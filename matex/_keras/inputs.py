@@ -35,6 +35,19 @@ def present(*parts):
     return tuple(p for p in parts if p is not None)
 
 
+def packed(x, y=None, sample_weight=None):
+    """One element of in-memory data as Keras hands it to ``train_step``/``test_step``.
+
+    ``x`` alone when there are no targets (``(x,)`` when ``x`` is itself a
+    list or tuple of inputs), else ``(x, y)`` or ``(x, y, sample_weight)``
+    (``keras.utils.pack_x_y_sample_weight``), with lists turned into tuples
+    as Keras's array adapter does (``tf.data`` cannot hold a list of inputs).
+    A model's own ``train_step(self, data)`` then gets what it gets in one
+    process: a VAE reading ``data`` as its images gets the images.
+    """
+    return keras.tree.lists_to_tuples(keras.utils.pack_x_y_sample_weight(x, y, sample_weight))
+
+
 def shard_input(x, y, sample_weight, batch_size, shuffle, seed, epoch=0):
     """(x, y, sample_weight, batch_size) to pass to Keras for this rank."""
     if x is None:
@@ -48,8 +61,8 @@ def shard_input(x, y, sample_weight, batch_size, shuffle, seed, epoch=0):
     if inspect.isgenerator(x) or (hasattr(x, "__next__") and hasattr(x, "__iter__")):
         return _batch_slicing.shard_generator(x), y, sample_weight, None
     if _batch_slicing.is_array_input(x):
-        shards = _batch_slicing.ArrayShards(present(x, y, sample_weight), batch_size or 32, shuffle,
-                                       seed)
+        shards = _batch_slicing.ArrayShards(packed(x, y, sample_weight), batch_size or 32, shuffle,
+                                            seed)
         return shards.dataset(), None, None, None
     return x, y, sample_weight, batch_size
 
@@ -62,8 +75,8 @@ class TrainInput:
         self.shards = None
         self.steps = None
         if _batch_slicing.is_array_input(x):
-            self.shards = _batch_slicing.ArrayShards(present(x, y, sample_weight), batch, shuffle,
-                                                seed)
+            self.shards = _batch_slicing.ArrayShards(packed(x, y, sample_weight), batch, shuffle,
+                                                     seed)
             self.steps = self.shards.steps
         elif isinstance(x, tf.data.Dataset) and int(x.cardinality()) > 0:
             self.steps = int(x.cardinality())

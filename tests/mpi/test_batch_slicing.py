@@ -247,3 +247,90 @@ def test_batchnorm_rank_with_empty_slice_keeps_its_statistics():
     np.testing.assert_allclose(predicted, model(x, training=False).numpy(), rtol=1e-5, atol=1e-6)
     np.testing.assert_allclose(loss, np.mean((predicted - y) ** 2), rtol=1e-4)
     assert len(set(gather(float(loss)))) == 1
+
+
+class Recorder(keras.Model):
+    """A model with its own train_step/test_step that use ``data`` as given (like keras-io's VAE).
+
+    Records the structure of ``data`` (per element: shape without the batch) at trace time.
+    """
+
+    def __init__(self, unpack):
+        super().__init__()
+        self.dense = keras.layers.Dense(4)
+        self.unpack = unpack
+        self.seen = []
+
+    def call(self, inputs):
+        if isinstance(inputs, (tuple, list)):
+            inputs = keras.ops.concatenate(list(inputs), axis=-1)
+        return self.dense(inputs)
+
+    def _record(self, data):
+        self.seen.append(tf.nest.map_structure(lambda t: tuple(t.shape[1:]), data))
+
+    def train_step(self, data):
+        self._record(data)
+        images = data if not self.unpack else keras.utils.unpack_x_y_sample_weight(data)[0]
+        target = images if not isinstance(images, tuple) else images[0]
+        with tf.GradientTape() as tape:
+            loss = tf.reduce_mean(tf.square(self(images, training=True) - target))
+        grads = tape.gradient(loss, self.trainable_weights)
+        self.optimizer.apply_gradients(zip(grads, self.trainable_weights))
+        return {"loss": loss}
+
+    def test_step(self, data):
+        self._record(data)
+        images = data if not self.unpack else keras.utils.unpack_x_y_sample_weight(data)[0]
+        target = images if not isinstance(images, tuple) else images[0]
+        return {"loss": tf.reduce_mean(tf.square(self(images) - target))}
+
+
+def test_own_train_step_gets_the_structure_keras_gives():
+    # fit(x) without targets: data is x itself, not (x,); (x, y) and (x, y, sw) as in Keras
+    import matex.keras  # noqa: F401
+
+    rng = np.random.default_rng(6)
+    x = rng.normal(size=(20, 4)).astype("float32")
+    other = rng.normal(size=(20, 2)).astype("float32")
+    y = rng.normal(size=(20, 1)).astype("float32")
+    sw = rng.uniform(size=20).astype("float32")
+    cases = [
+        ((x,), {}, False, (4,)),
+        ((x, y), {}, True, ((4,), (1,))),
+        ((x, y), {"sample_weight": sw}, True, ((4,), (1,), ())),
+        (([x, other],), {}, True, (((4,), (2,)),)),
+        (((x, other), y), {}, True, (((4,), (2,)), (1,))),
+    ]
+    for args, kwargs, unpack, want in cases:
+        keras.utils.set_random_seed(7)
+        model = Recorder(unpack)
+        model.compile(optimizer=keras.optimizers.SGD(0.1))
+        model.fit(*args, **kwargs, batch_size=8, epochs=1, verbose=0)
+        model.evaluate(*args, **kwargs, batch_size=8, verbose=0)
+        assert model.seen and all(s == want for s in model.seen), (args, model.seen)
+        weights = [w.numpy() for w in model.weights]
+        assert all(np.isfinite(w).all() for w in weights) and all_equal_bytes(weights)
+
+
+def test_list_of_input_arrays():
+    # a two-input functional model given [a, b] (a list, as Keras accepts it)
+    import matex.keras  # noqa: F401
+
+    rng = np.random.default_rng(8)
+    a = rng.normal(size=(21, 4)).astype("float32")
+    b = rng.normal(size=(21, 2)).astype("float32")
+    y = rng.normal(size=(21, 1)).astype("float32")
+    keras.utils.set_random_seed(9)
+    ia, ib = keras.Input((4,)), keras.Input((2,))
+    model = keras.Model([ia, ib], keras.layers.Dense(1)(keras.layers.Concatenate()([ia, ib])))
+    model.compile(optimizer=keras.optimizers.SGD(0.1), loss="mse")
+    history = model.fit([a, b], y, batch_size=8, epochs=2, validation_data=([a, b], y),
+                        verbose=0)
+    weights = [w.numpy() for w in model.weights]
+    assert np.isfinite(history.history["val_loss"]).all() and all_equal_bytes(weights)
+    loss = model.evaluate([a, b], y, batch_size=8, verbose=0)
+    predicted = model.predict([a, b], batch_size=8, verbose=0)
+    np.testing.assert_allclose(predicted, model([a, b]).numpy(), rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(loss, np.mean((predicted - y) ** 2), rtol=1e-4)
+    assert len(set(gather(float(loss)))) == 1
