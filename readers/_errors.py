@@ -1,6 +1,7 @@
 """ReaderError, and the collective agreement that raises it on every rank alike."""
 
 from matex import _runtime
+from matex._everywhere import on_every_rank
 
 
 class ReaderError(ValueError):
@@ -14,21 +15,11 @@ class ReaderError(ValueError):
 def agreed(fn, *args, discard=None, **kwargs):
     """``fn(*args, **kwargs)`` on every rank; if it failed on any rank, raise everywhere.
 
-    All ranks raise a ReaderError carrying the message of the lowest failing
-    rank (the failing rank chains its own exception). ``discard(result)`` is
-    called on a rank whose own call succeeded when another rank failed.
+    All ranks raise a ReaderError naming the lowest failing rank and its error
+    (the failing rank chains its own exception): ``matex._everywhere``'s rule,
+    on MaTEx's control communicator, apart from data collectives.
+    ``discard(result)`` is called on a rank whose own call succeeded when
+    another rank failed.
     """
-    result, message, error = None, None, None
-    try:
-        result = fn(*args, **kwargs)
-    except ReaderError as exc:
-        message, error = str(exc), exc
-    except Exception as exc:  # noqa: BLE001 - any failure must reach every rank
-        message, error = "%s: %s" % (type(exc).__name__, exc), exc
-    messages = _runtime.control().allgather(message)   # apart from data collectives
-    first = next((m for m in messages if m is not None), None)
-    if first is None:
-        return result
-    if error is None and discard is not None and result is not None:
-        discard(result)
-    raise ReaderError(first) from error
+    return on_every_rank(_runtime.control(), fn, *args, error_type=ReaderError,
+                         discard=discard, **kwargs)

@@ -28,3 +28,36 @@ def test_replacing_the_communicator_frees_the_ones_it_replaces():
     finally:
         if _runtime._comm is None or _runtime._comm == MPI.COMM_NULL:
             _runtime._set_comm(MPI.COMM_WORLD.Dup())
+
+
+def test_on_every_rank_raises_the_lowest_failing_ranks_error_on_every_rank():
+    import pytest
+
+    from matex._everywhere import RemoteError, on_every_rank
+
+    control, rank, size = _runtime.control(), matex.rank(), matex.size()
+    assert on_every_rank(control, lambda: rank * 2) == rank * 2   # no failure: own result
+    closed = []
+
+    def fails_on_last():
+        if rank == size - 1:
+            raise KeyError("only on the last rank")
+        return "opened"
+
+    with pytest.raises(RemoteError) as info:
+        on_every_rank(control, fails_on_last, what="test", discard=closed.append)
+    assert str(info.value).startswith("test: rank %d: KeyError:" % (size - 1))
+    assert closed == ([] if rank == size - 1 else ["opened"])   # the others close theirs
+    if rank == size - 1:
+        assert isinstance(info.value.__cause__, KeyError)
+
+    def fails_everywhere_but_0():
+        if rank:
+            raise OSError("rank %d cannot" % rank)
+
+    if size > 1:
+        with pytest.raises(ValueError, match="rank 1: OSError: rank 1 cannot") as info:
+            on_every_rank(control, fails_everywhere_but_0, error_type=ValueError)
+        if size > 2:
+            assert "(and 1 more rank)" in str(info.value)
+    assert control.allreduce(1) == size   # the communicator is still in step
