@@ -136,6 +136,10 @@ def _run(argv):
         return 2
     _quiet_tensorflow_startup()
     rank = _config.launched_rank()
+    if _config.status_dir():
+        from matex import _status
+
+        _status.report_start(rank)   # matexrun --ft: lets it end this rank if excluded
     if rank != 0:
         sys.stdout = _Prefixed(sys.stdout, "[rank %d] " % rank) if all_ranks else open(
             os.devnull, "w")
@@ -167,17 +171,41 @@ def _run(argv):
         _transparent.after_import("keras", _install_keras_patch)
         _transparent.after_import("keras_tuner", _install_tuner_hook)
         runpy.run_path(script, run_name="__main__")
+        code = 0
     except SystemExit as exc:
         code = exc.code
-        if code is None or isinstance(code, int):
-            return code or 0
-        print(code, file=sys.stderr)
-        return 1
+        if code is not None and not isinstance(code, int):
+            print(code, file=sys.stderr)
+            code = 1
+        code = code or 0
     except BaseException:  # noqa: BLE001 - any failure must end the whole job
         _abort_job()
     finally:
         sys.stdout.flush()
-    return 0
+    _report_exit(rank, code)
+    return code
+
+
+def _report_exit(rank, code):
+    """Under ``matexrun --ft``: leave this rank's exit status and the world ranks it lost
+    (excluded from its communicator after a failure) for the launcher (``matex._status``)."""
+    if not _config.status_dir():
+        return
+    from matex import _runtime, _status
+
+    lost = ()
+    if _runtime._comm is not None:
+        from mpi4py import MPI
+
+        try:
+            world, group = MPI.COMM_WORLD.Get_group(), _runtime._comm.Get_group()
+            alive = MPI.Group.Translate_ranks(group, list(range(group.Get_size())), world)
+            lost = set(range(world.Get_size())) - set(alive)
+            group.Free()
+            world.Free()
+        except MPI.Exception:
+            lost = ()   # a communicator the failure left unusable: the launcher waits
+    _status.report_exit(rank, code, lost)
 
 
 def _install_keras_patch(module):

@@ -9,6 +9,7 @@ import signal
 import subprocess
 import sys
 import textwrap
+import time
 
 import pytest
 
@@ -185,6 +186,75 @@ def test_matexrun_ft_counts_failed_ranks_whatever_they_print(tmp_path, failing, 
         raise AssertionError("matexrun --ft timed out\n" + err[-3000:])
     assert "boom" not in err and "failed; the others continue" not in err, err[-3000:]
     assert proc.returncode == code, err[-3000:]
-    assert ("matexrun: every rank failed (2 of 2)" in err) == (code == 1), err[-3000:]
+    assert ("every rank failed (2 of 2); the job failed" in err) == (code == 1), err[-3000:]
     assert "status dir %s%smatexrun-status-" % (status, os.sep) in out, out
     assert list(status.iterdir()) == []                             # cleaned up
+
+
+KILL_SCRIPT = textwrap.dedent("""
+    import os
+    import signal
+    import sys
+    import numpy as np
+    import matex
+    from mpi4py import MPI
+    rank = MPI.COMM_WORLD.Get_rank()
+    total = matex.allreduce(np.ones(2, "float32"), "sum")   # the ranks alive at start
+    if rank == 0 and "kill0" in sys.argv:
+        os.kill(os.getpid(), signal.SIGKILL)     # leaves no report
+    if sys.argv[1] == "all":
+        raise RuntimeError("survivor %d dies too" % rank)
+    print("rank", rank, "sum", float(np.asarray(total)[0]), flush=True)
+    if sys.argv[1] == "exit3" and rank == 1:
+        sys.exit(3)
+""")
+
+
+def _matexrun_ft(tmp_path, args, timeout=240):
+    matexrun = os.path.join(os.path.dirname(sys.executable), "matexrun")
+    proc = subprocess.Popen([matexrun, "--ft", "--all-ranks"] + list(args),
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True, cwd=str(tmp_path))
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        out, err = proc.communicate()
+        raise AssertionError("matexrun --ft did not end in %d s\n%s\n%s"
+                             % (timeout, out[-2000:], err[-3000:]))
+    return proc.returncode, out, err
+
+
+@pytest.mark.parametrize("mode,code", [("all", 1), ("exit3", 3), ("ok", 0)])
+def test_matexrun_ft_exit_status_is_the_survivors_verdict(tmp_path, mode, code):
+    # Rank 0 SIGKILLs itself (no report). "all": the others fail too: no rank
+    # finished, exit 1 (it was 0: only 2 of 3 failure reports). "exit3": a
+    # survivor exits 3: the job exits 3. "ok": the survivors finish: success.
+    script = tmp_path / "kill.py"
+    script.write_text(KILL_SCRIPT)
+    rc, out, err = _matexrun_ft(tmp_path, ["-n", "3", str(script), mode, "kill0"])
+    assert rc == code, err[-3000:]
+    expected = {"all": "matexrun: no rank finished its script: every rank failed (3 of 3); "
+                       "the job failed",
+                "exit3": "matexrun: rank(s) 1 finished with exit status 3; the job failed",
+                "ok": "matexrun: rank(s) 0 failed; the 2 other(s) finished cleanly"}[mode]
+    assert expected in err.splitlines(), err[-3000:]
+    if mode != "all":
+        assert sorted(out.splitlines()) == ["[rank 1] rank 1 sum 3.0", "[rank 2] rank 2 sum 3.0"]
+
+
+def test_matexrun_ft_ends_a_rank_that_hangs_at_start(tmp_path):
+    # Rank 1 stops itself (SIGSTOP) during start-up; the failure detector lets
+    # the others exclude it and finish; matexrun then ends it and exits 0
+    # (before, mpiexec waited for it forever).
+    script = tmp_path / "hang.py"
+    script.write_text(KILL_SCRIPT)
+    started = time.monotonic()
+    rc, out, err = _matexrun_ft(tmp_path, ["-n", "3", "--inject-fault",
+                                           "rank=1,step=0,kind=hang,at=start", str(script), "ok"])
+    assert rc == 0, err[-3000:]
+    assert sorted(out.splitlines()) == ["[rank 2] rank 2 sum 2.0", "rank 0 sum 2.0"], out
+    assert "matexrun: ended rank(s) 1, excluded by the survivors but still running (hung)" \
+        in err.splitlines(), err[-3000:]
+    assert "matexrun: rank(s) 1 failed; the 2 other(s) finished cleanly" in err.splitlines()
+    assert time.monotonic() - started < 200

@@ -163,7 +163,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--all-ranks", action="store_true",
                         help="show every rank's stdout, prefixed by its rank")
     parser.add_argument("--ft", action="store_true",
-                        help="fault tolerance: survive rank failures (ULFM shrink-and-continue)")
+                        help="fault tolerance: survive rank failures (ULFM shrink-and-continue)."
+                             " Exit status: 0 when the ranks that survive finish their script "
+                             "cleanly (ranks lost on the way do not fail the job); 1 when no "
+                             "rank finished (every rank failed or was killed); else the first "
+                             "non-zero status of a surviving rank. A rank the survivors "
+                             "excluded but that still runs (hung) is ended once they are done")
     parser.add_argument("--ft-heartbeat", type=float, default=DEFAULT_HEARTBEAT,
                         metavar="SECONDS",
                         help="failure detector heartbeat period with --ft (default %(default)s s)")

@@ -1,24 +1,31 @@
 """Supervising the job: rank failures under ``--ft``, restarts under ``--restart``.
 
-Under ULFM, ``mpiexec`` exits 0 even when every rank died. So that ``matexrun
---ft`` can tell, a rank that fails leaves a file in a status directory before
-it dies (``report_failure``, called by ``_resilience.die_like_a_crash``): the
-launcher creates the directory, names it to every rank in
-``MATEX_STATUS_DIR``, counts the files once ``mpiexec`` has ended, and removes
-it. Nothing depends on what the ranks print, or on where their stderr goes.
+Under ULFM, ``mpiexec`` exits 0 even when every rank died, and waits for a
+hung rank the survivors excluded. So the ranks report to a status directory
+(``matex._status``): where they run, that they failed, or that their script
+returned (exit status, ranks they lost). The launcher creates the directory,
+names it to every rank in ``MATEX_STATUS_DIR``, ends excluded ranks that
+still run once the others are done, decides the exit status from the reports
+(``job_exit_status``) and removes the directory. Nothing depends on what the
+ranks print, or on where their stderr goes.
 """
 
 from __future__ import annotations
 
 import contextlib
+import os
 import shutil
+import signal
+import socket
 import subprocess
 import sys
 import tempfile
+import time
 from collections.abc import Iterator, Mapping, Sequence
 
 from matex._config import STATUS_DIR_VAR
-from matex._status import failed_ranks, report_failure  # noqa: F401 - re-exported
+from matex._status import (failed_ranks, read_status,  # noqa: F401 - re-exported
+                           report_failure)
 
 
 @contextlib.contextmanager
@@ -34,22 +41,107 @@ def status_directory(parent: str | None = None) -> Iterator[str]:
         shutil.rmtree(directory, ignore_errors=True)
 
 
+# After every rank has finished, failed or been excluded by a survivor, a rank
+# still running is one the survivors excluded (a hung rank: mpiexec would wait
+# for it forever). It is SIGKILLed where it runs on this host; if mpiexec has
+# still not ended this many seconds later, it is terminated.
+END_GRACE_S = 20.0
+POLL_S = 0.25
+
+
+def job_exit_status(status, nranks: int, mpiexec_code: int) -> tuple[int, str | None]:
+    """``matexrun --ft``'s exit status from the ranks' reports, with the line explaining it.
+
+    The rule: 1 when no rank finished its script (every rank failed or was
+    killed); else the first non-zero exit status of a rank that finished (a
+    surviving rank that failed fails the job); else 0: the survivors finished
+    cleanly, and ranks lost on the way (killed, failed, hung and excluded) do
+    not fail a fault-tolerant job. ``mpiexec_code`` only matters when no rank
+    reported anything (mpiexec could not start them).
+    """
+    if not status.exited:
+        if mpiexec_code and not status.started:
+            return mpiexec_code, None
+        return 1, ("matexrun: no rank finished its script: every rank failed (%d of %d); "
+                   "the job failed" % (nranks, nranks))
+    bad = {rank: code for rank, code in sorted(status.exited.items()) if code}
+    if bad:
+        rank, code = next(iter(bad.items()))
+        return code, ("matexrun: rank(s) %s finished with exit status %s; the job failed"
+                      % (", ".join(map(str, bad)), ", ".join(map(str, bad.values()))))
+    gone = sorted(set(range(nranks)) - set(status.exited))
+    if gone:
+        return 0, ("matexrun: rank(s) %s failed; the %d other(s) finished cleanly"
+                   % (", ".join(map(str, gone)), len(status.exited)))
+    return 0, None
+
+
+def _is_our_rank(pid, directory):
+    """Whether process ``pid`` is a rank of this job (its environment names ``directory``)."""
+    try:
+        with open("/proc/%d/environ" % pid, "rb") as environ:
+            names = environ.read().split(b"\0")
+    except OSError:
+        return False
+    return ("%s=%s" % (STATUS_DIR_VAR, directory)).encode() in names
+
+
+def _end_excluded_ranks(status, directory):
+    """SIGKILL the ranks still alive on this host that the survivors excluded; their ranks."""
+    here = socket.gethostname()
+    ended = []
+    for rank in sorted(status.lost - set(status.exited)):
+        host, pid = status.started.get(rank, (None, None))
+        if host == here and pid and _is_our_rank(pid, directory):
+            try:
+                os.kill(pid, signal.SIGKILL)
+                ended.append(rank)
+            except OSError:
+                pass   # gone already
+    return ended
+
+
 def run_fault_tolerant(cmd: Sequence[str], env: Mapping[str, str], nranks: int,
                        status_parent: str | None = None) -> int:
-    """Run ``cmd`` (an mpiexec under ULFM) on ``nranks`` ranks; 1 if every rank failed.
+    """Run ``cmd`` (an mpiexec under ULFM) on ``nranks`` ranks; the job's exit status.
 
     The ranks find their status directory, created in ``status_parent``, in
     ``MATEX_STATUS_DIR`` (``cmd`` must forward it to other hosts, and there
-    ``status_parent`` must be a directory they share). Otherwise mpiexec's
-    exit status.
+    ``status_parent`` must be a directory they share). The exit status follows
+    ``job_exit_status``. Once every rank has finished, failed or been excluded
+    by a survivor, excluded ranks still running are ended (see ``END_GRACE_S``).
     """
     with status_directory(status_parent) as directory:
-        code = subprocess.call(list(cmd), env={**env, STATUS_DIR_VAR: directory})
-        failed = failed_ranks(directory)
-    if code == 0 and len(failed) >= nranks:
-        print("matexrun: every rank failed (%d of %d); the job failed" % (len(failed), nranks),
-              file=sys.stderr, flush=True)
-        return 1
+        proc = subprocess.Popen(list(cmd), env={**env, STATUS_DIR_VAR: directory})
+        settled, terminated = None, False
+        try:
+            while proc.poll() is None:
+                time.sleep(POLL_S)
+                if settled is None:
+                    status = read_status(directory)
+                    accounted = set(status.exited) | set(status.failed) | status.lost
+                    if status.exited and accounted >= set(range(nranks)):
+                        settled = time.monotonic()
+                        ended = _end_excluded_ranks(status, directory)
+                        if ended:
+                            print("matexrun: ended rank(s) %s, excluded by the survivors but "
+                                  "still running (hung)" % ", ".join(map(str, ended)),
+                                  file=sys.stderr, flush=True)
+                elif time.monotonic() - settled > END_GRACE_S:
+                    if terminated:
+                        proc.kill()
+                    else:
+                        print("matexrun: every rank finished or was excluded %.0f s ago; "
+                              "ending mpiexec" % END_GRACE_S, file=sys.stderr, flush=True)
+                        proc.terminate()
+                        terminated, settled = True, time.monotonic() - END_GRACE_S + 10
+        except BaseException:
+            proc.kill()
+            proc.wait()
+            raise
+        code, line = job_exit_status(read_status(directory), nranks, proc.returncode)
+    if line:
+        print(line, file=sys.stderr, flush=True)
     return code
 
 
