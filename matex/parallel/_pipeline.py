@@ -30,7 +30,7 @@ import numpy as np
 import keras
 import tensorflow as tf
 
-from matex import _collectives, _compat, _fusion, _runtime
+from matex import _batch_slicing, _collectives, _compat, _fusion, _runtime
 from matex.parallel import _p2p, _schedule, _stages
 from matex.parallel._stages import StageBoundary
 
@@ -104,6 +104,51 @@ def _checkpoint_generation(directory):
     except (OSError, ValueError, AttributeError):
         return None
     return generation if isinstance(generation, int) else None
+
+
+def _split_off_validation(data, split):
+    """(training part, validation part) of packed arrays: the last ``split`` of the rows,
+    as Keras's ``validation_split`` takes them."""
+    import math
+
+    n = int(keras.tree.flatten(data)[0].shape[0])
+    at = int(math.floor(n * (1.0 - split)))
+    if at in (0, n):
+        raise ValueError("matex.parallel: fit: %d rows cannot be split into training and "
+                         "validation parts with validation_split=%r" % (n, split))
+    return (keras.tree.map_structure(lambda t: None if t is None else t[:at], data),
+            keras.tree.map_structure(lambda t: None if t is None else t[at:], data))
+
+
+class _SharedOrder:
+    """Batches of in-memory arrays, rows in one permutation per epoch given by ``seed``.
+
+    Each pass over ``dataset()`` is the next epoch; the permutation of epoch e
+    is ``default_rng([seed, e])``'s, so ranks holding the same seed feed the
+    same rows, in the same order, every epoch.
+    """
+
+    def __init__(self, data, batch_size, seed):
+        self.data = keras.tree.map_structure(lambda t: None if t is None else np.asarray(t),
+                                             data)
+        self.rows = int(keras.tree.flatten(self.data)[0].shape[0])
+        self.batch_size = int(batch_size)
+        self.seed = int(seed)
+        self.epoch = 0
+
+    def _batches(self):
+        order = np.random.default_rng([self.seed, self.epoch]).permutation(self.rows)
+        self.epoch += 1
+        for start in range(0, self.rows, self.batch_size):
+            rows = order[start:start + self.batch_size]
+            yield keras.tree.map_structure(lambda a: a[rows], self.data)
+
+    def dataset(self):
+        spec = keras.tree.map_structure(
+            lambda a: tf.TensorSpec((None,) + a.shape[1:], tf.as_dtype(a.dtype)), self.data)
+        steps = -(-self.rows // self.batch_size)
+        ds = tf.data.Dataset.from_generator(self._batches, output_signature=spec)
+        return ds.apply(tf.data.experimental.assert_cardinality(steps)).prefetch(2)
 
 
 class PipelineModel(keras.Model):
@@ -557,10 +602,37 @@ class PipelineModel(keras.Model):
     def _quiet(self, verbose):
         return verbose if self._layout.world_rank == 0 else 0
 
+    def _shuffled_in_one_order(self, x, y, batch_size, kwargs):
+        """``fit``'s array input, shuffled the same way on every rank of the pipeline.
+
+        Keras shuffles arrays with each process's own random state: ranks of
+        an unseeded (or per-rank seeded) script would run different rows
+        through the stages, inputs on the first stage mismatched with labels on
+        the last. With ``shuffle`` on (Keras's default), MaTEx shuffles instead:
+        one permutation of the rows per epoch, from a seed drawn from world rank
+        0's NumPy generator and shared (so a seeded script stays reproducible),
+        batches handed to Keras as a dataset with ``shuffle=False``. A
+        ``validation_split`` is taken first, from the end, as Keras takes it.
+        Other inputs (datasets, generators) are returned unchanged.
+        """
+        if not kwargs.get("shuffle", True) or x is None or not _batch_slicing.is_array_input(x):
+            return x, y, batch_size, kwargs
+        kwargs = dict(kwargs, shuffle=False)
+        sample_weight = kwargs.pop("sample_weight", None)
+        split = kwargs.pop("validation_split", 0.0)
+        data = keras.tree.lists_to_tuples(keras.utils.pack_x_y_sample_weight(x, y, sample_weight))
+        if split and kwargs.get("validation_data") is None:
+            data, kwargs["validation_data"] = _split_off_validation(data, split)
+        L = self._layout
+        seed = L.control.bcast(int(np.random.randint(2 ** 31 - 1)) if L.world_rank == 0
+                               else None, root=0)
+        return _SharedOrder(data, batch_size or 32, seed).dataset(), None, None, kwargs
+
     def fit(self, x=None, y=None, batch_size=None, epochs=1, verbose="auto", **kwargs):
         self._require_built()
         _agree(self._layout.control, lambda: self._check_array_batches(x, batch_size, "fit"))
         self._sync_replicas()
+        x, y, batch_size, kwargs = self._shuffled_in_one_order(x, y, batch_size, kwargs)
         return self._refusing_recovery(lambda: super(PipelineModel, self).fit(
             x, y, batch_size=batch_size, epochs=epochs, verbose=self._quiet(verbose), **kwargs))
 

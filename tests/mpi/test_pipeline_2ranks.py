@@ -166,3 +166,27 @@ def test_an_interrupted_checkpoint_save_leaves_the_previous_one_whole(tmp_path):
     MPI.COMM_WORLD.Barrier()
     assert sorted(os.listdir(directory)) == ["meta.json", "stage0_tensor0.g2.npz",
                                              "stage1_tensor0.g2.npz"]
+
+
+def test_unseeded_shuffle_feeds_the_same_rows_to_every_stage():
+    # x = y = row index through frozen identity stages: the loss is 0 exactly when the
+    # last stage's labels are the rows the first stage fed in. Each rank's random state
+    # differs (an unseeded script), and shuffle keeps its default (True): before the
+    # fix each rank shuffled its own way (loss ~ 10,000).
+    keras.utils.set_random_seed(1000 + R)
+    tf.random.set_seed(None)
+
+    def identity(name):
+        return keras.layers.Dense(1, use_bias=False, kernel_initializer="ones",
+                                  trainable=False, name=name)
+
+    model = keras.Sequential([keras.Input((1,)), identity("a"), StageBoundary(name="cut"),
+                              identity("b")])
+    pm = PipelineModel(model, microbatches=2)
+    pm.compile(optimizer=keras.optimizers.SGD(0.1), loss="mse")
+    rows = np.arange(128, dtype="float32").reshape(-1, 1)
+    h = pm.fit(rows, rows, batch_size=BATCH, epochs=3, verbose=0)
+    assert h.history["loss"] == [0.0, 0.0, 0.0]
+    # with validation_split too (taken from the end, as Keras does; not shuffled)
+    h = pm.fit(rows, rows, batch_size=BATCH, epochs=2, validation_split=0.25, verbose=0)
+    assert h.history["loss"] == [0.0, 0.0] and h.history["val_loss"] == [0.0, 0.0]
