@@ -38,6 +38,11 @@ def _start_observers(core):
 
 _runtime_module.on_core_ready(_start_observers)
 
+# `kill -USR1` dumps a rank (never kills it) from now on, also before the core loads
+from matex import _stall as _stall_module  # noqa: E402
+
+_stall_module.install_early_signal_handler()
+
 # MaTEx's custom Keras layers (StageBoundary, the tensor-parallel layers) load with
 # keras.saving.load_model after `import matex`: registered once Keras is loaded
 from matex.parallel import _saving as _layer_saving  # noqa: E402

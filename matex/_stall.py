@@ -24,6 +24,7 @@ ranks' states to be seen (the line then says "no answer" otherwise).
 import json
 import logging
 import os
+import signal
 import sys
 import threading
 import time
@@ -38,16 +39,62 @@ REQUEST = "stall-request.json"
 _started = None
 
 
+def _early_sigusr1(signum, frame):
+    """SIGUSR1 before the core is loaded: dump the Python stacks (no collectives yet)."""
+    try:
+        path = _recorder.dump("SIGUSR1")
+        sys.stderr.write("matex: rank %d: flight recorder dumped to %s\n"
+                         % (_config.launched_rank(), path))
+    except Exception as exc:   # noqa: BLE001 - a dump that fails must not end the rank
+        sys.stderr.write("matex: SIGUSR1: flight dump failed: %s\n" % exc)
+
+
+def install_early_signal_handler() -> None:
+    """From ``import matex`` on, SIGUSR1 dumps this rank instead of killing it.
+
+    The core's own handler (which works while the main thread is blocked in
+    MPI or compute) replaces this one when the core loads (``start``); before
+    that, this Python handler dumps the Python stacks. Only from the main
+    thread, and only where SIGUSR1 still has its default action (a handler the
+    script installed stays).
+    """
+    if threading.current_thread() is not threading.main_thread():
+        return
+    try:
+        if signal.getsignal(signal.SIGUSR1) is signal.SIG_DFL:
+            signal.signal(signal.SIGUSR1, _early_sigusr1)
+    except (ValueError, OSError, AttributeError):
+        pass   # no SIGUSR1 (Windows) or signals unavailable here
+
+
+def _hand_over_signal(core) -> None:
+    """Install the core's SIGUSR1 handler in place of ``_early_sigusr1``."""
+    if signal.getsignal(signal.SIGUSR1) is _early_sigusr1:
+        if threading.current_thread() is threading.main_thread():
+            signal.signal(signal.SIGUSR1, signal.SIG_DFL)
+        else:
+            # signal.signal works only on the main thread; the core loads on
+            # whichever thread runs the first collective (TensorFlow's). The
+            # C library's signal() resets the disposition for the process;
+            # the core installs its handler right after.
+            import ctypes
+
+            libc = ctypes.CDLL(None, use_errno=True)
+            libc.signal.restype = ctypes.c_void_p
+            libc.signal.argtypes = (ctypes.c_int, ctypes.c_void_p)
+            libc.signal(int(signal.SIGUSR1), 0)   # SIG_DFL
+    core.install_flight_signal(int(signal.SIGUSR1))
+
+
 def start(core) -> None:
     """Start the recorder and the watchdog thread for this process (idempotent)."""
     global _started
     if _started is not None:
         return
     import atexit
-    import signal
 
     core.set_flight_capacity(_config.flight_entries())
-    core.install_flight_signal(int(signal.SIGUSR1))
+    _hand_over_signal(core)
     _started = Watchdog(core, Path(_config.flight_dir()), _config.stall_warning_s(),
                         _config.stall_abort_s())
     _started.start()

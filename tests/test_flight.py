@@ -11,6 +11,7 @@ import json
 import os
 import subprocess
 import sys
+import textwrap
 
 import pytest
 
@@ -152,3 +153,41 @@ def test_kill_under_ft_dumps_survivors_and_names_the_dead_rank(tmp_path):
     out = _cli(tmp_path / "flight").stdout
     assert out.startswith("rank 2 stopped first (left no dump: died or was killed): ranks 0, 1 "
                           "failed in collective #%d " % seq), out
+
+
+EARLY_USR1 = textwrap.dedent("""
+    import json, os, signal, sys, threading, time
+    import numpy as np
+    import matex
+    from pathlib import Path
+    dump = Path(sys.argv[1]) / "rank0.json"
+
+    def usr1_and_wait(previous):
+        os.kill(os.getpid(), signal.SIGUSR1)
+        deadline = time.time() + 30
+        while time.time() < deadline:
+            time.sleep(0.05)
+            if dump.exists() and json.loads(dump.read_text())["time"] != previous:
+                return json.loads(dump.read_text())
+        raise SystemExit("no dump")
+
+    early = usr1_and_wait(None)   # before the core is loaded: was the default action (death)
+    print("early", early["reason"], len(early["entries"]), flush=True)
+    # the first collective on another thread (as in fit): the core's handler takes over
+    worker = threading.Thread(target=lambda: matex.allreduce(np.ones(3, "float32"), "sum"))
+    worker.start()
+    worker.join()
+    late = usr1_and_wait(early["time"])
+    print("late", late["reason"], [e["op"] for e in late["entries"]], flush=True)
+""")
+
+
+def test_sigusr1_before_the_core_loads_dumps_instead_of_killing(tmp_path):
+    script = tmp_path / "early.py"
+    script.write_text(EARLY_USR1)
+    env = dict(os.environ, MATEX_FLIGHT_DIR=str(tmp_path / "flight"), TF_CPP_MIN_LOG_LEVEL="2")
+    proc = subprocess.run([sys.executable, str(script), str(tmp_path / "flight")], env=env,
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, (proc.returncode, proc.stderr[-3000:])
+    assert proc.stdout.splitlines() == [
+        "early SIGUSR1 0", "late SIGUSR1 ['allreduce(sum) of float32[3]']"], proc.stdout

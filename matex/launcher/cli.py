@@ -28,8 +28,10 @@ from __future__ import annotations
 import argparse
 import os
 import shutil
+import signal
 import sys
 import tempfile
+import threading
 from collections.abc import Sequence
 
 from matex.launcher.hosts import (HostError, cluster_mpi_args, format_hostfile, parse_hosts,
@@ -144,6 +146,10 @@ def _status_parent(opts, parser, cluster_args):
     return parent
 
 
+def _ignore_signal(signum, frame):
+    pass
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Parse ``matexrun``'s arguments, start mpiexec, return the job's exit status."""
     if "mpi4py.MPI" not in sys.modules:
@@ -153,6 +159,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         import mpi4py
 
         mpi4py.rc.initialize = False
+    if threading.current_thread() is threading.main_thread() and hasattr(signal, "SIGUSR1"):
+        # `pkill -USR1 -f train.py` reaches matexrun too: it is no rank, it neither
+        # dumps (that would overwrite rank 0's dump) nor dies (orphaning mpiexec).
+        # A handler, not SIG_IGN: an ignored signal stays ignored in the ranks.
+        signal.signal(signal.SIGUSR1, _ignore_signal)
     parser = argparse.ArgumentParser(
         prog="matexrun", description="Run a TensorFlow/Keras script on several MPI ranks.")
     parser.add_argument("-n", "--np", dest="nranks", type=int, default=None,
