@@ -21,7 +21,7 @@ import threading
 import tensorflow as tf
 
 from matex import _collectives, _compat, _faults
-from matex.compression import _base as _compression
+from matex.compression import _spec as _compression
 from matex.compression import _reduce
 
 _classes = {}

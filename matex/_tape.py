@@ -2,7 +2,7 @@
 
 import tensorflow as tf
 
-from matex.compression import _base as _compression
+from matex.compression import _spec as _compression
 from matex.compression import _reduce
 
 _classes = {}

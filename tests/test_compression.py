@@ -16,7 +16,7 @@ def test_sparse_allreduce(nranks, tmp_path):
 
 
 def test_compressors(tmp_path):
-    assert mpitools.run_suite(2, ["test_compression.py"], tmp_path) >= 13
+    assert mpitools.run_suite(2, ["test_compression.py"], tmp_path) >= 15
 
 
 def test_sparse_allreduce_benchmark(tmp_path):
@@ -32,3 +32,14 @@ def test_sparse_allreduce_benchmark(tmp_path):
     for key in ("scalar", "rows16"):
         for row in results[key].values():
             assert row["sparse_ms"] > 0 and row["dense_ms"] > 0 and row["allgather_ms"] > 0
+
+
+def test_compression_select_benchmark(tmp_path):
+    stdout, results = run_driver("compression_select", tmp_path, timeout=600)
+    r = results["worker"]
+    assert set(r["select_ms"]) == {"randomk_draws", "randomk_ranking", "topk"}
+    assert set(r["reduce_ms"]) == {"randomk", "topk"}
+    assert all(math.isfinite(v) and v > 0 for d in (r["select_ms"], r["reduce_ms"])
+               for v in d.values())
+    assert r["k"] == math.ceil(0.01 * r["n"])
+    assert sum(1 for line in stdout.splitlines() if ": MET (" in line or ": MISSED (" in line) == 1

@@ -12,7 +12,8 @@ fused allreduce. Every rank applies the same averaged gradient, bitwise;
 error-feedback residuals are per rank. See README "Communicating less".
 """
 
-from matex.compression._base import Compressor, from_spec
+from matex.compression._base import Compressor
+from matex.compression._spec import from_spec
 from matex.compression._cast import BF16, FP16, Cast
 from matex.compression._powersgd import PowerSGD
 from matex.compression._randomk import RandomK

@@ -14,9 +14,9 @@ Error feedback (Karimireddy et al. 2019): what a rank did not send this step
 Residuals differ per rank, which is fine: the update applied is the same.
 """
 
-import tensorflow as tf
+import weakref
 
-from matex import _config
+import tensorflow as tf
 
 DEFAULT_MIN_SIZE = 1024   # elements: below this a tensor stays dense (latency, not bytes)
 
@@ -57,20 +57,49 @@ def _state_variable(initial, name):
         return tf.Variable(initial(), trainable=False, name=name)
 
 
-class ErrorFeedback:
-    """Per-variable residuals of one compressor (zeros until first written)."""
+class PerVariable:
+    """State kept per gradient (per variable when known), dropped when the variable is freed.
+
+    A compressor made from text (``"topk:0.01"``) is one object per process
+    (``_spec.build``), shared by every model a search or a script builds: it
+    must not keep those models' variables, nor its state for them, alive.
+    """
 
     def __init__(self):
-        self._residuals = {}   # state_key -> (variable or None, tf.Variable)
+        self._entries = {}   # state_key -> (weak reference to the variable or None, state)
+
+    def get(self, item, make):
+        """The state for ``item``, made by ``make()`` (outside any trace) the first time."""
+        key, owner = state_key(item)
+        entry = self._entries.get(key)
+        if entry is None or entry[0]() is not owner:
+            if owner is None:
+                ref = _no_owner
+            else:
+                ref = weakref.ref(owner)
+                weakref.finalize(owner, self._entries.pop, key, None)
+            entry = (ref, _state_variable(make, "matex_" + type(self).__name__.lower()))
+            self._entries[key] = entry
+        return entry[1]
+
+    def __len__(self):
+        return len(self._entries)
+
+    def values(self):
+        """Every state variable held now."""
+        return [state for _, state in self._entries.values()]
+
+
+def _no_owner():
+    return None
+
+
+class ErrorFeedback(PerVariable):
+    """Per-variable residuals of one compressor (zeros until first written)."""
 
     def residual(self, item):
-        key, owner = state_key(item)
-        entry = self._residuals.get(key)
-        if entry is None or entry[0] is not owner:
-            shape, dtype = item.grad.shape, item.grad.dtype
-            entry = (owner, _state_variable(lambda: tf.zeros(shape, dtype), "matex_residual"))
-            self._residuals[key] = entry
-        return entry[1]
+        shape, dtype = item.grad.shape, item.grad.dtype
+        return self.get(item, lambda: tf.zeros(shape, dtype))
 
 
 def state_key(item):
@@ -110,45 +139,3 @@ class Compressor:
 
     def __repr__(self):
         return "%s(min_size=%d)" % (type(self).__name__, self.min_size)
-
-
-def from_spec(spec):
-    """A compressor from text such as "fp16", "bf16", "topk:0.01", "randomk:0.01",
-    "powersgd:4", "none"; a Compressor is returned as is; None/"none" give None."""
-    if spec is None or isinstance(spec, Compressor):
-        return spec
-    if not isinstance(spec, str):
-        raise TypeError("compression must be a matex.compression compressor, a string such "
-                        "as 'topk:0.01', or None, not %r" % (spec,))
-    parsed = _config.parse_compression(spec, "compression")
-    return None if parsed is None else build(*parsed)
-
-
-_built = {}   # (kind, value) -> compressor: one per text, so its residuals outlive a tape
-
-
-def build(kind, value):
-    """The compressor ``_config.parse_compression`` described (the same object per text)."""
-    if (kind, value) not in _built:
-        _built[kind, value] = _make(kind, value)
-    return _built[kind, value]
-
-
-def _make(kind, value):
-    from matex.compression import _cast, _powersgd, _randomk, _topk
-
-    if kind == "fp16":
-        return _cast.FP16
-    if kind == "bf16":
-        return _cast.BF16
-    if kind == "topk":
-        return _topk.TopK(value)
-    if kind == "randomk":
-        return _randomk.RandomK(value)
-    return _powersgd.PowerSGD(int(value))
-
-
-def from_environment():
-    """The compressor ``MATEX_COMPRESSION`` asks for, or None."""
-    parsed = _config.compression()
-    return None if parsed is None else build(*parsed)

@@ -6,8 +6,8 @@ import logging
 import tensorflow as tf
 
 from matex import _fusion
-from matex.compression._base import (DEFAULT_MIN_SIZE, Compressor, ErrorFeedback,
-                                     _state_variable, check_float, state_key)
+from matex.compression._base import (DEFAULT_MIN_SIZE, Compressor, ErrorFeedback, PerVariable,
+                                     check_float)
 
 log = logging.getLogger("matex.compression")
 
@@ -49,7 +49,7 @@ class PowerSGD(Compressor):
         self.error_feedback = bool(error_feedback)
         self.seed = int(seed)
         self.memory = ErrorFeedback()
-        self._q = {}
+        self._q = PerVariable()   # Q per matrix, dropped with its variable
         self._noted = set()
 
     def selects(self, item) -> bool:
@@ -69,17 +69,13 @@ class PowerSGD(Compressor):
         return min(self.rank, n, m)
 
     def _q_variable(self, i, item):
-        key, owner = state_key(item)
-        entry = self._q.get(key)
-        if entry is None or entry[0] is not owner:
-            _, m = as_matrix_shape(item.grad.shape)
-            r, dtype = self._rank_of(item), item.grad.dtype
-            def start():   # the same on every rank
-                return tf.random.stateless_normal([m, r], [self.seed, i], dtype=dtype)
+        _, m = as_matrix_shape(item.grad.shape)
+        r, dtype = self._rank_of(item), item.grad.dtype
 
-            entry = (owner, _state_variable(start, "matex_powersgd_q"))
-            self._q[key] = entry
-        return entry[1]
+        def start():   # the same on every rank
+            return tf.random.stateless_normal([m, r], [self.seed, i], dtype=dtype)
+
+        return self._q.get(item, start)
 
     def reduce(self, items, op, threshold):
         for it in items:

@@ -6,7 +6,8 @@ import math
 import tensorflow as tf
 
 from matex import _collectives, _sparse
-from matex.compression._base import Compressor, ErrorFeedback, check_float, check_ratio
+from matex.compression._base import (DEFAULT_MIN_SIZE, Compressor, ErrorFeedback, check_float,
+                                     check_ratio)
 
 
 class TopK(Compressor):
@@ -22,8 +23,6 @@ class TopK(Compressor):
     name = "TopK"
 
     def __init__(self, ratio, error_feedback=True, min_size=None, density_threshold=None):
-        from matex.compression._base import DEFAULT_MIN_SIZE
-
         super().__init__(DEFAULT_MIN_SIZE if min_size is None else min_size)
         self.ratio = check_ratio(ratio, "TopK")
         self.error_feedback = bool(error_feedback)

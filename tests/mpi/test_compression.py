@@ -218,3 +218,43 @@ def test_powersgd_dense_before_start_step():
     errors = [np.abs(run(m).numpy() - exact).max() for _ in range(3)]
     assert errors[0] < 1e-5 and errors[1] < 1e-5   # dense: exact
     assert errors[2] > 1e-3                        # rank 1 of a random 40x30: not exact
+
+
+def test_randomk_applies_the_mean_at_its_drawn_positions_once():
+    """The k positions are drawn with replacement; a repeated one is applied once, not twice."""
+    from matex.compression import _randomk
+    from matex.compression._base import Item
+
+    n, ratio = 2048, 0.75   # k = 1536 draws of 2048: hundreds of repeats
+    grad = tf.constant(np.arange(n, dtype=np.float32).reshape(64, 32) * (RANK + 1))
+    comp = RandomK(ratio, error_feedback=False)
+    (out,), (sent,) = comp.reduce([Item(grad, None, "g")], "average", None)
+    k = int(np.ceil(ratio * n))
+    chosen = _randomk.positions(tf.constant([comp.seed, 0], tf.int64), k, n).numpy()
+    assert len(set(chosen)) < k   # the case under test: repeats happen
+    want = np.zeros(n, np.float32)
+    mean_factor = np.mean(np.arange(1, SIZE + 1))
+    want[chosen] = np.arange(n, dtype=np.float32)[chosen] * mean_factor
+    np.testing.assert_allclose(out.numpy().reshape(-1), want, rtol=1e-6)
+    assert sent == k * 4
+    assert all_equal_bytes([out.numpy()])
+
+
+def test_compressors_from_text_do_not_keep_models_alive():
+    """A compressor made from text is shared by the process: its per-variable state (residuals,
+    PowerSGD's Q) goes with the variables, so a search building many models does not grow."""
+    import gc
+
+    from matex.compression import _spec
+
+    for spec in ("topk:0.1", "powersgd:2"):
+        comp = _spec.from_spec(spec)
+        for _ in range(3):
+            _, layer = train(spec, steps=2, check_every_step=False)
+            held = len(comp.memory) + (len(comp._q) if spec.startswith("powersgd") else 0)
+            assert held > 0, spec   # the model trained through this very compressor
+            del layer
+            gc.collect()
+            assert len(comp.memory) == 0, (spec, len(comp.memory))
+            if spec.startswith("powersgd"):
+                assert len(comp._q) == 0
