@@ -40,7 +40,8 @@ import atexit
 
 import tensorflow as tf
 
-from matex import _collectives, _recovery
+from matex import _collectives, _recovery, _stats
+from matex.compression._reduce import _name
 
 _exit_hook = []
 
@@ -145,6 +146,10 @@ class Delayed:
             previous, valid = self._wait()
         with tf.control_dependencies([valid]):
             started = self._start(grads, op, weight)
+        # every step posts each gradient whole, in its dtype (matex.stats())
+        order = [i for _, idx in self.plan for i in idx]
+        sizes = [grads[i].shape.num_elements() * grads[i].dtype.size for i in order]
+        _stats.record([_name(None, variables, i) for i in order], sizes, sizes)
         graph = None if tf.executing_eagerly() else tf.compat.v1.get_default_graph()
         first = len(graph.get_operations()) if graph is not None else 0
         # all-or-nothing: nothing changes before the wait and the post succeeded

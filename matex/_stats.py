@@ -8,7 +8,11 @@ Counted: the payload bytes of the gradient collectives of ``DistributedOptimizer
 and ``DistributedGradientTape`` (an allreduce of n bytes counts n; a fused
 allreduce counts each gradient's bytes; the sparse allreduce counts every
 byte this rank sends in its exchange, 16-byte headers included, read from the
-op at run time). Not counted: the 16-byte agreement check before each
+op at run time; ``delay=1`` counts each gradient's bytes every step, as its
+non-blocking allreduce sends them; ``LocalSGD``/``DiLoCo`` count every
+trainable variable's bytes at each synchronisation and 0 on the other steps,
+their "dense" being the gradients data parallelism would send every step).
+Not counted: the 16-byte agreement check before each
 collective, the first step's weight broadcast, MPI's own protocol and the
 algorithm's internal copies (a ring allreduce moves about twice n). "dense"
 is what the uncompressed path sends: the full gradient in its own dtype (an

@@ -77,3 +77,22 @@ def test_delay_one_in_fit(ranks):
         assert len(r["delay_fit_gaps"]) == 6 and max(r["delay_fit_gaps"]) <= ROUNDING
         assert all(r["delay_fit_equal"])
         assert r["pending_requests"] == 1   # fit's last gradient, not flushed: dropped at exit
+
+
+PARAMS_BYTES = (6 * 16 + 16 + 16 * 2 + 2) * 4   # the model's float32 weights (= gradients)
+
+
+def test_stats_count_what_delay_localsgd_and_diloco_send(ranks):
+    # 6 steps each; matex.stats() said 0 bytes for all three before
+    for r in ranks:
+        for momentum in ("0.0", "0.9"):
+            s = r["stats_delay_" + momentum]   # every step posts the whole gradient
+            assert (s["steps"], s["bytes_sent"], s["dense_bytes"]) == (
+                6, 6 * PARAMS_BYTES, 6 * PARAMS_BYTES), s
+            assert s["bytes_sent_per_step"] == PARAMS_BYTES and s["ratio"] == 1.0
+            assert sorted(s["by_variable"].values()) == [8.0, 64.0, 128.0, 384.0], s
+        for name in ("stats_localsgd3", "stats_diloco3"):
+            s = r[name]   # sync_every=3: the weights (pseudo-gradient) twice in 6 steps
+            assert (s["steps"], s["bytes_sent"], s["dense_bytes"]) == (
+                6, 2 * PARAMS_BYTES, 6 * PARAMS_BYTES), (name, s)
+            assert s["ratio"] == 3.0 and s["dense_bytes_per_step"] == PARAMS_BYTES

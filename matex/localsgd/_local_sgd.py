@@ -26,7 +26,8 @@ counted twice.
 
 import tensorflow as tf
 
-from matex import _collectives, _compat, _fusion, _optimizer, _recovery
+from matex import _collectives, _compat, _fusion, _optimizer, _recovery, _stats
+from matex.compression._reduce import _name
 
 
 def check_sync_every(sync_every):
@@ -88,7 +89,17 @@ class LocalStrategy:
         due = tf.equal(tf.math.floormod(tf.convert_to_tensor(optimizer.iterations),
                                         self.sync_every), 0)
         self.syncs += 1
+        self._count_bytes(variables, due)
         return _cond(due, lambda: self.synchronise(optimizer, variables))
+
+    def _count_bytes(self, variables, due):
+        """``matex.stats()``: a synchronisation sends every trainable variable whole (the
+        weights, or DiLoCo's pseudo-gradient of the same shape), other steps nothing;
+        "dense" is what data parallelism would send every step (each gradient)."""
+        sizes = [v.shape.num_elements() * tf.as_dtype(v.dtype).size for v in variables]
+        sent = [tf.where(due, tf.constant(n, tf.int64), tf.constant(0, tf.int64))
+                for n in sizes]
+        _stats.record([_name(None, variables, i) for i in range(len(variables))], sent, sizes)
 
     def recovery_state(self, optimizer, variables):
         return RollbackState(self, optimizer, variables)

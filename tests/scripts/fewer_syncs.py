@@ -136,13 +136,17 @@ results["localsgd1_fit"] = gap(weights(fit(
 
 # ---- Local SGD, sync_every=3: apart between syncs, bitwise equal at them -----
 equal_at = []
+matex._stats.reset()
 local3 = weights(custom_loop(matex.LocalSGD(keras.optimizers.SGD(LR), sync_every=3),
                              lambda t, m: equal_at.append(same_everywhere(m))))
 results["localsgd3_equal_after_step"] = equal_at
+results["stats_localsgd3"] = matex.stats()
 
 # ---- DiLoCo with outer SGD(1.0) == Local SGD (custom loop and fit) -----------
+matex._stats.reset()
 results["diloco_vs_localsgd_loop"] = gap(weights(custom_loop(matex.DiLoCo(
     keras.optimizers.SGD(LR), keras.optimizers.SGD(1.0), sync_every=3))), local3)
+results["stats_diloco3"] = matex.stats()
 fit_local = weights(fit(matex.LocalSGD(keras.optimizers.SGD(LR), sync_every=3)))
 results["localsgd3_fit_vs_loop"] = gap(fit_local, local3)
 results["diloco_vs_localsgd_fit"] = gap(weights(fit(matex.DiLoCo(
@@ -165,7 +169,9 @@ for momentum in (0.0, 0.9):
 
     opt = matex.DistributedOptimizer(keras.optimizers.SGD(LR, momentum=momentum), delay=1)
     losses.assign(0.0)
+    matex._stats.reset()
     m = custom_loop(opt, check, blocking_too=True)
+    results["stats_delay_%s" % momentum] = matex.stats()
     results["delay_blocking_losses_%s" % momentum] = float(losses.numpy())
     results["delay_vs_undelayed_%s" % momentum] = gap(
         weights(m), dp_momentum if momentum else dp)
