@@ -88,17 +88,34 @@ class MonitorCallback(keras.callbacks.Callback):
         self.pending = _Totals()
         self.latest = {}
 
+    @property
+    def control(self):
+        """The control communicator in use now (a recovery replaces it: never cached)."""
+        from matex import _runtime
+
+        return _runtime.control()
+
     def on_train_begin(self, logs=None):
+        """Start (or, after a recovery re-runs ``fit``, restart) the exchange schedule.
+
+        Every rank comes here at the same point of training, so every rank
+        restarts the count alike: the next exchange is after the next step.
+        A survivor that finished a step the others redo after a rank loss
+        would otherwise count one step more and meet their step's allgather
+        with its epoch's, or wait for ever.
+        """
         from matex import _runtime
 
         self.core = _runtime._core()
-        self.control = _runtime.control()
         self.rank = self.control.Get_rank()
         if self.core.flight_capacity() == 0:
             self.core.set_flight_capacity(1024)   # the figures come from the recorder
         self.seen = self.core.flight_sequence()
         self.last_line = time.time()
         self.line_steps = _Totals()
+        self.pending = _Totals()
+        self.every = 1
+        self.next_exchange = self.step + 1
 
     def on_epoch_begin(self, epoch, logs=None):
         self.epoch_totals = _Totals()

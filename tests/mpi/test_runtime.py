@@ -61,3 +61,33 @@ def test_on_every_rank_raises_the_lowest_failing_ranks_error_on_every_rank():
         if size > 2:
             assert "(and 1 more rank)" in str(info.value)
     assert control.allreduce(1) == size   # the communicator is still in step
+
+
+def test_monitor_restarts_its_exchanges_alike_after_a_recovery():
+    """The live monitor's allgathers stay paired after a rank loss.
+
+    A failure can end one survivor's exchange and not another's (ULFM errors
+    are not uniform), so they leave with different next exchange steps; the
+    recovery loop then re-runs ``fit`` (``on_train_begin``) on every survivor
+    at the same point. Before, the counts stayed apart and the exchanges met
+    the epoch's allgather: an IndexError on one rank, a hang on another.
+    """
+    import io
+
+    from matex.callbacks import MonitorCallback
+
+    rank, size = matex.rank(), matex.size()
+    cb = MonitorCallback(global_batch=8, interval=1e-6, stream=io.StringIO())
+    cb.on_train_begin()
+    cb.step, cb.every = 13, 4
+    cb.next_exchange = 20 if rank == 0 else 16   # rank 0's exchange at 16 went through
+    cb.on_train_begin()   # the recovery loop re-runs fit
+    logs = {}
+    cb.on_epoch_begin(0)
+    for b in range(8):
+        cb.on_train_batch_begin(b)
+        cb.on_train_batch_end(b)
+    cb.on_epoch_end(0, logs)
+    assert logs["matex_slowest_rank"] in range(size)
+    assert logs["matex_samples_per_s"] > 0
+    assert len(set(_runtime.control().allgather(cb.next_exchange))) == 1
