@@ -32,6 +32,7 @@ or a reader's dataset followed by ``.map``/``.prefetch``/``.cache``/
 ``.repeat``/``.take``/... is never sliced a second time by ``fit``.
 """
 
+import threading
 import warnings
 
 import numpy as np
@@ -100,7 +101,16 @@ def _take_slice(batch):
 
 
 class ArrayShards:
-    """Per-rank batches of in-memory arrays, re-iterable (each pass = next epoch)."""
+    """Per-rank batches of in-memory arrays, re-iterable (each pass = next epoch).
+
+    Pass ``e`` is shuffled with the permutation drawn from ``(seed, e)``. The
+    first pass's epoch is set by ``dataset`` and, once Keras says which epoch
+    it starts, by ``set_epoch`` (``fit``'s ``inputs.EpochOfInput``): after
+    ``BackupAndRestore`` resumed at epoch ``k`` (``matexrun --restart``) the
+    passes are ``k, k+1, ...``, the orders an uninterrupted run used for those
+    epochs. Later passes count on from there, whenever they start (Keras opens
+    the next epoch's iterator, and its prefetch runs, before that epoch begins).
+    """
 
     def __init__(self, arrays, batch_size, shuffle, seed):
         self.arrays = tf.nest.map_structure(np.asarray, arrays)
@@ -108,28 +118,42 @@ class ArrayShards:
         self.batch_size = int(batch_size)
         self.shuffle = bool(shuffle)
         self.seed = int(seed)
-        self.epoch = 0
-        self.first_step = 0
+        self._lock = threading.Lock()   # passes start in tf.data's threads
+        self.epoch = 0                  # the epoch of the next pass to start
+        self.start = (0, 0)             # (epoch, step) the dataset starts at
         self.steps = -(-self.num_rows // self.batch_size)
 
-    def _batches(self):
+    def set_epoch(self, epoch: int) -> None:
+        """The next pass to start is epoch ``epoch``'s (call before it starts)."""
+        with self._lock:
+            if self.epoch != epoch:
+                self.start = (epoch, self.start[1] if epoch == self.start[0] else 0)
+                self.epoch = epoch
+
+    def order(self, epoch: int) -> np.ndarray:
+        """The order of the rows in epoch ``epoch`` (the same on every rank)."""
         if self.shuffle:
-            order = np.random.default_rng([self.seed, self.epoch]).permutation(self.num_rows)
-        else:
-            order = np.arange(self.num_rows)
-        self.epoch += 1
-        first, self.first_step = self.first_step, 0
+            return np.random.default_rng([self.seed, epoch]).permutation(self.num_rows)
+        return np.arange(self.num_rows)
+
+    def _batches(self):
+        with self._lock:
+            epoch = self.epoch
+            self.epoch += 1
+            first = self.start[1] if epoch == self.start[0] else 0
+        order = self.order(epoch)
         for start in range(first * self.batch_size, self.num_rows, self.batch_size):
             batch = order[start:start + self.batch_size]
             rows = _take_slice(batch)       # the current ranks, read per batch
             yield tf.nest.map_structure(lambda a: a[rows], self.arrays)
 
     def dataset(self, epoch=0, first_step=0):
-        """Batches from ``epoch`` on; the first pass starts at step ``first_step``.
+        """Batches from ``epoch`` on; the pass of ``epoch`` starts at step ``first_step``.
 
         With ``first_step > 0`` the dataset is meant for that one (partial) epoch.
         """
-        self.epoch, self.first_step = epoch, first_step
+        with self._lock:
+            self.epoch, self.start = epoch, (epoch, first_step)
         spec = tf.nest.map_structure(
             lambda a: tf.TensorSpec((None,) + a.shape[1:], tf.as_dtype(a.dtype)), self.arrays)
         ds = tf.data.Dataset.from_generator(self._batches, output_signature=spec)

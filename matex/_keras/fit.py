@@ -184,7 +184,7 @@ def fit(original):
                 a["verbose"] = quiet(verbose)
                 a["callbacks"] = rank0_callbacks(
                     [BroadcastGlobalVariablesCallback(0), step_begin, AverageMovingStatistics()]
-                    + observers + callbacks)
+                    + train.callbacks() + observers + callbacks)
                 try:
                     histories.append(call(original, bound))
                 except tf.errors.InvalidArgumentError as exc:

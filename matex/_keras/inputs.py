@@ -67,6 +67,30 @@ def shard_input(x, y, sample_weight, batch_size, shuffle, seed, epoch=0):
     return x, y, sample_weight, batch_size
 
 
+class EpochOfInput(keras.callbacks.Callback):
+    """Tells ``fit``'s array input which epoch Keras starts with (resumed ones included).
+
+    Keras starts at the epoch a ``BackupAndRestore`` restored (``matexrun
+    --restart``), which is known only once training begins: the first
+    ``on_epoch_begin`` numbers the passes from there, so that epoch ``k`` is
+    shuffled as in an uninterrupted run. Only the first: the next epoch's
+    pass may already have started (and counted itself) when it begins.
+    """
+
+    def __init__(self, shards):
+        super().__init__()
+        self.shards = shards
+        self.told = False
+
+    def on_train_begin(self, logs=None):
+        self.told = False
+
+    def on_epoch_begin(self, epoch, logs=None):
+        if not self.told:
+            self.told = True
+            self.shards.set_epoch(epoch)
+
+
 class TrainInput:
     """``fit``'s training input, re-creatable for the current ranks from any step."""
 
@@ -81,8 +105,15 @@ class TrainInput:
         elif isinstance(x, tf.data.Dataset) and int(x.cardinality()) > 0:
             self.steps = int(x.cardinality())
 
+    def callbacks(self):
+        """Callbacks ``fit`` must pass to Keras with the input of ``at`` (``EpochOfInput``)."""
+        return [EpochOfInput(self.shards)] if self.shards is not None else []
+
     def at(self, epoch, step):
-        """(x, y, sample_weight, batch_size) for Keras, starting at (epoch, step)."""
+        """(x, y, sample_weight, batch_size) for Keras, starting at (epoch, step).
+
+        Pass ``callbacks()`` along: Keras may start at another epoch (a restored backup).
+        """
         x, y, sw, batch, shuffle, seed = self.raw
         if self.shards is not None:
             return self.shards.dataset(epoch, step), None, None, None

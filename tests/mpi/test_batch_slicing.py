@@ -6,6 +6,8 @@ the communicator in use when a batch is produced (else a pipeline built
 before a shrink keeps slicing for the old number of ranks).
 """
 
+import tempfile
+
 import keras
 import numpy as np
 import pytest
@@ -334,3 +336,63 @@ def test_list_of_input_arrays():
     np.testing.assert_allclose(predicted, model([a, b]).numpy(), rtol=1e-5, atol=1e-6)
     np.testing.assert_allclose(loss, np.mean((predicted - y) ** 2), rtol=1e-4)
     assert len(set(gather(float(loss)))) == 1
+
+
+class _Stop(Exception):
+    pass
+
+
+def test_resumed_fit_sees_the_batches_of_an_uninterrupted_run():
+    # matexrun --restart: the relaunched script's fit restores epoch and weights from the
+    # backup; each resumed epoch must shuffle as that epoch did in an uninterrupted run
+    import matex.keras  # noqa: F401
+
+    rows, batch, epochs, stop_at = 40, 8, 4, 2
+    rng = np.random.default_rng(12)
+    x = np.concatenate([np.arange(rows)[:, None], rng.normal(size=(rows, 2))], 1).astype("f4")
+    y = rng.normal(size=(rows, 1)).astype("float32")
+    backup = gather(tempfile.mkdtemp() if R == 0 else None)[0]   # rank 0's decides
+
+    class Seen(keras.Model):
+        def __init__(self):
+            super().__init__()
+            self.dense = keras.layers.Dense(1)
+            self.epoch_now, self.seen = None, {}
+
+        def call(self, inputs):
+            return self.dense(inputs[:, 1:])
+
+        def train_step(self, data):
+            self.seen.setdefault(self.epoch_now, []).append(data[0][:, 0].numpy().tolist())
+            return super().train_step(data)
+
+    class Epoch(keras.callbacks.Callback):
+        def on_epoch_begin(self, epoch, logs=None):
+            if epoch == stop >= 0:
+                raise _Stop()
+            self.model.epoch_now = epoch
+
+    def run(stop_at=-1, restore=False):
+        nonlocal stop
+        stop = stop_at
+        keras.utils.set_random_seed(13)   # a launch: the same seeds, a fresh model
+        model = Seen()
+        model(x[:1])                                 # built: a backup loads into it
+        model.compile(optimizer=keras.optimizers.SGD(0.05), loss="mse", run_eagerly=True)
+        callbacks = [Epoch()] + ([keras.callbacks.BackupAndRestore(backup)] if restore else [])
+        try:
+            model.fit(x, y, batch_size=batch, epochs=epochs, callbacks=callbacks, verbose=0)
+        except _Stop:
+            pass
+        return model
+
+    stop = -1
+    whole = run()
+    run(stop_at=stop_at, restore=True)              # ends after epoch stop_at - 1's backup
+    resumed = run(restore=True)
+    assert sorted(resumed.seen) == list(range(stop_at, epochs))
+    for epoch in range(stop_at, epochs):
+        assert resumed.seen[epoch] == whole.seen[epoch], epoch
+    assert whole.seen[0] != whole.seen[1]           # shuffled, differently per epoch
+    for a, b in zip(resumed.weights, whole.weights):
+        np.testing.assert_allclose(a.numpy(), b.numpy(), rtol=1e-6)
