@@ -5,6 +5,7 @@ directory, not stderr).
 """
 
 import os
+import select
 import signal
 import subprocess
 import sys
@@ -258,3 +259,69 @@ def test_matexrun_ft_ends_a_rank_that_hangs_at_start(tmp_path):
         in err.splitlines(), err[-3000:]
     assert "matexrun: rank(s) 1 failed; the 2 other(s) finished cleanly" in err.splitlines()
     assert time.monotonic() - started < 200
+
+
+LIVE_SCRIPT = textwrap.dedent("""
+    import os
+    import sys
+    import time
+    sys.stdout.write("cpus %d\\n" % len(os.sched_getaffinity(0)))
+    sys.stdout.write("\\rstep 0")          # a progress bar's update: no newline
+    sys.stdout.flush()
+    deadline = time.time() + 60
+    while not os.path.exists(sys.argv[1]) and time.time() < deadline:
+        time.sleep(0.05)
+    sys.stdout.write("\\rstep 1 %s\\n" % os.path.exists(sys.argv[1]))
+""")
+
+
+def test_matexrun_relays_partial_lines_at_once_and_leaves_ranks_unbound(tmp_path):
+    # Keras's progress bar rewrites one line with carriage returns: mpiexec held
+    # it until the newline (the epoch's end). Here the script waits for the test
+    # to have seen "step 0" before it ends its line. And Open MPI bound rank r
+    # to core r: each rank now sees every core of this process.
+    script = tmp_path / "live.py"
+    script.write_text(LIVE_SCRIPT)
+    go = tmp_path / "go"
+    matexrun = os.path.join(os.path.dirname(sys.executable), "matexrun")
+    proc = subprocess.Popen([matexrun, "-n", "2", str(script), str(go)],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            start_new_session=True)
+    seen, deadline = b"", time.monotonic() + 150
+    try:
+        while b"step 0" not in seen and time.monotonic() < deadline:
+            ready, _, _ = select.select([proc.stdout], [], [], 1.0)
+            if ready:
+                chunk = os.read(proc.stdout.fileno(), 4096)
+                if not chunk:
+                    break
+                seen += chunk
+        early = b"step 0" in seen
+        go.write_text("")
+        out, err = proc.communicate(timeout=150)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    assert proc.returncode == 0, err[-3000:]
+    assert early and seen.endswith(b"\rstep 0"), seen
+    assert (seen + out).decode() == "cpus %d\n\rstep 0\rstep 1 True\n" % len(
+        os.sched_getaffinity(0)), seen + out
+
+
+def test_matexrun_default_output_and_binding_arguments(tmp_path):
+    matexrun = os.path.join(os.path.dirname(sys.executable), "matexrun")
+    script = _script(tmp_path)
+
+    def command(*args):
+        proc = subprocess.run([matexrun, "--dry-run"] + list(args) + [script], text=True,
+                              capture_output=True, timeout=60)
+        assert proc.returncode == 0, proc.stderr
+        return proc.stderr.strip().splitlines()[-1]
+
+    assert " --output :raw --bind-to none " in command("-n", "2")
+    # --all-ranks keeps whole lines (ranks' output apart); the user's choices win
+    assert "--output" not in command("--all-ranks", "-n", "2")
+    line = command("--mpi-arg=--bind-to", "--mpi-arg=core", "-n", "2")
+    assert "--bind-to none" not in line and "--bind-to core" in line
+    # other hosts: no binding change
+    assert "--bind-to" not in command("-H", "a:1,b:1")

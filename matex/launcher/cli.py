@@ -254,7 +254,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         env["MATEX_CHECKPOINT_DIR"] = os.path.abspath(opts.checkpoint_dir)
         if "MATEX_CHECKPOINT_DIR" not in cluster_args:
             mpi_args = ["-x", "MATEX_CHECKPOINT_DIR"] + mpi_args
-    mpi_args = cluster_args + mpi_args
+    mpi_args = cluster_args + _output_and_binding_args(mpiexec, opts, cluster_args,
+                                                       opts.mpi_arg) + mpi_args
     runner = [sys.executable, "-m", "matex"] + (["--all-ranks"] if opts.all_ranks else [])
     tmpdir = None
     try:
@@ -283,6 +284,32 @@ def main(argv: Sequence[str] | None = None) -> int:
     finally:
         if tmpdir:
             shutil.rmtree(tmpdir, ignore_errors=True)
+
+
+def _output_and_binding_args(mpiexec, opts, cluster_args, user_args) -> list:
+    """Open MPI 5 arguments for live output and unbound ranks (unless the user chose).
+
+    * ``--output :raw``: mpiexec forwards output as it arrives instead of
+      holding each rank's text until a newline, so Keras's progress bar
+      (carriage-return updates) moves while an epoch runs. Not with
+      ``--all-ranks``: there, whole lines keep several ranks' output apart.
+    * ``--bind-to none`` on one machine: Open MPI binds rank r to core r when
+      there are at most as many ranks as cores; next to busy processes, two
+      bound ranks trained half as fast as unbound ones (1.5 against 3.0 epochs
+      in 150 s with two busy background processes). Bind explicitly with
+      ``--mpi-arg=--bind-to --mpi-arg=core`` on a node of your own; Slurm
+      allocations with several CPUs per task keep their own binding.
+    """
+    flavor, major = mpi_flavor(mpiexec)
+    if flavor != "openmpi":
+        return []
+    args = []
+    if (major or 0) >= 5 and not opts.all_ranks and "--output" not in user_args:
+        args += ["--output", ":raw"]
+    if not cluster_args and not any(a in ("--bind-to", "-bind-to") or a.startswith("--bind-to=")
+                                    for a in user_args):
+        args += ["--bind-to", "none"]
+    return args
 
 
 def _observability_env(opts, parser) -> dict:
