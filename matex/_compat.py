@@ -290,3 +290,9 @@ def inbound_nodes(layer):
 def loss_tracker(model):
     """The ``Mean`` metric a Keras train step feeds its loss to (``logs["loss"]``)."""
     return model._loss_tracker
+
+
+def tf_random_seed_module():
+    """TensorFlow's ``random_seed`` module: its ``get_seed`` gives every stateful random op
+    (``tf.random.normal``, ``tf.nn.dropout``, ...) its seeds when the op is created."""
+    return importlib.import_module("tensorflow.python.framework.random_seed")

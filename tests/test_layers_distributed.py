@@ -97,6 +97,13 @@ def test_dropout_noise_and_augmentation_are_per_rank_generators_stay_equal(tmp_p
     # the generators' state variables stay bitwise equal on every rank
     assert len(runs[0]["generators"]) == 3
     assert runs[1]["generators"] == runs[0]["generators"]
+    # TensorFlow's own tf.random.normal in a layer, every rank seeded alike:
+    # independent draws per rank (they were equal), N(0, 1) on each
+    tf_noise = [np.array(run["tf_native"]) - 1.0 for run in runs]   # 10 steps, 8 rows, 64
+    assert tf_noise[0].shape == (10, 8, 64)
+    assert abs(np.corrcoef(tf_noise[0].ravel(), tf_noise[1].ravel())[0, 1]) < 0.06  # 4.3 sigma
+    for noise_r in tf_noise:
+        assert abs(noise_r.std() - 1.0) < 0.05 and abs(noise_r.mean()) < 0.05
     # without the patch: the ranks' masks are the same
     unpatched = [{k: np.array(v) for k, v in m["unpatched"]["seen"].items()} for m in runs]
     assert (unpatched[0]["dropout"] == unpatched[1]["dropout"]).all()

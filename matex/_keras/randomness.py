@@ -16,6 +16,15 @@ every rank (MaTEx compares replica digests after a recovery). World rank 0
 keeps Keras's stream (a single process is unchanged), and world ranks are
 stable when the job shrinks after a failure.
 
+TensorFlow's own stateful random ops created inside a layer call
+(``tf.random.normal``/``uniform``, ``tf.nn.dropout``, as keras-io's VAE
+``Sampling`` layer uses) take their seeds from TensorFlow's global seed,
+which MaTEx (or the script) sets alike on every rank: on world rank r > 0
+their op seed is shifted by r (``_get_seed``), so each rank draws its own
+values, as rows of one process would. Without a global or op seed TensorFlow
+draws from the OS's entropy, already different per rank; stateless ops
+(``tf.random.stateless_*``) take the seed the script gives them, unchanged.
+
 Randomness drawn outside a layer call is left shared: shuffles, data
 generators and anything else the ranks must agree on (keras.random calls in a
 data pipeline, a custom ``train_step`` drawing directly; to get per-rank noise
@@ -65,8 +74,26 @@ def _next(original, rank):
     return next_seed
 
 
+_MAXINT32 = 2 ** 31 - 1
+_RANK_STRIDE = 0x9E3779B1   # spreads ranks far from the small op seeds TensorFlow counts
+
+
+def _get_seed(original, rank):
+    @functools.wraps(original)
+    def get_seed(op_seed):
+        seeds = original(op_seed)
+        if seeds[0] is None or not _compat.in_layer_call():
+            return seeds   # OS entropy (already per rank), or shared randomness
+        shifted = (seeds[0], (int(seeds[1]) + rank * _RANK_STRIDE) % _MAXINT32)
+        return (0, _MAXINT32) if shifted == (0, 0) else shifted   # (0, 0) means "unseeded"
+
+    get_seed._matex_original = original
+    return get_seed
+
+
 def install() -> None:
-    """Give layers' in-step randomness a stream per rank on ranks > 0 (idempotent)."""
+    """Give layers' in-step randomness (Keras generators, TensorFlow's stateful random ops)
+    a stream per rank on ranks > 0 (idempotent)."""
     global _installed
     with _lock:
         if _installed:
@@ -77,4 +104,7 @@ def install() -> None:
         cls = keras.random.SeedGenerator
         if size > 1 and rank > 0 and getattr(cls.next, "_matex_original", None) is None:
             cls.next = _next(cls.next, rank)
+        seeds = _compat.tf_random_seed_module()
+        if size > 1 and rank > 0 and getattr(seeds.get_seed, "_matex_original", None) is None:
+            seeds.get_seed = _get_seed(seeds.get_seed, rank)
         _installed = True

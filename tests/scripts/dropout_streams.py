@@ -101,9 +101,31 @@ def regression(seed):
             "heldout": float(model.evaluate(x[768:], y[768:], verbose=0))}
 
 
+class TfNoise(keras.layers.Layer):
+    """TensorFlow's own randomness inside a layer (as keras-io's VAE ``Sampling`` layer)."""
+
+    def call(self, inputs):
+        return inputs + tf.random.normal(tf.shape(inputs))
+
+
+def tf_native():
+    """A layer drawing tf.random.normal, every rank seeded alike (TF's global seed 0)."""
+    keras.utils.set_random_seed(0)
+    rows = BATCH // size
+    inputs = keras.Input((64,))
+    noise = Record(rows, 64, name="rec_tfnoise")(TfNoise()(inputs))
+    model = keras.Model(inputs, keras.layers.Dense(1, kernel_initializer="zeros")(noise))
+    model.compile(optimizer=keras.optimizers.SGD(0.0), loss="mse")
+    x = np.ones((BATCH * 10, 64), "float32")
+    model.fit(x, np.zeros((len(x), 1), "float32"), batch_size=BATCH, epochs=1, shuffle=False,
+              verbose=0)
+    return model.get_layer("rec_tfnoise").seen.numpy()[:10].tolist()
+
+
 results = {}
 if "masks" in sys.argv[2:]:
     results["masks"] = masks()
+    results["masks"]["tf_native"] = tf_native()
     if size > 1:   # again with Keras's own SeedGenerator.next
         patched = keras.random.SeedGenerator.next
         keras.random.SeedGenerator.next = getattr(patched, "_matex_original", patched)
