@@ -16,7 +16,6 @@ import os
 import sys
 import threading
 import time
-import warnings
 
 from matex import _config
 
@@ -68,11 +67,7 @@ def init(comm=None):
             return
         from mpi4py import MPI
 
-        if MPI.Query_thread() < MPI.THREAD_MULTIPLE:
-            warnings.warn(
-                "MPI was initialised without MPI_THREAD_MULTIPLE; MaTEx runs "
-                "collectives on TensorFlow's threads, so do not call mpi4py "
-                "concurrently with training", RuntimeWarning, stacklevel=2)
+        _require_thread_multiple(MPI)
         if comm is not None:
             _set_comm(comm, owned=False)
             return
@@ -82,6 +77,31 @@ def init(comm=None):
             MPI.COMM_WORLD.Set_errhandler(MPI.ERRORS_RETURN)
             _wait_for_every_rank(MPI.COMM_WORLD)
             _set_comm(MPI.COMM_WORLD.Dup())
+
+
+_THREAD_LEVELS = ("SINGLE", "FUNNELED", "SERIALIZED", "MULTIPLE")
+
+
+def _require_thread_multiple(MPI):
+    """Raise unless MPI runs at ``MPI_THREAD_MULTIPLE``, naming the fix.
+
+    MaTEx's own threads enter MPI concurrently: TensorFlow's inter-op threads
+    run the collectives, a progress thread drives non-blocking requests and
+    ULFM's heartbeats, the control communicator serves the main thread. At a
+    lower level that is undefined behaviour in MPI (crashes, corrupted
+    messages), so it is an error rather than a warning.
+    """
+    provided = MPI.Query_thread()
+    if provided >= MPI.THREAD_MULTIPLE:
+        return
+    names = {getattr(MPI, "THREAD_" + n): "MPI_THREAD_" + n for n in _THREAD_LEVELS}
+    raise RuntimeError(
+        "matex: MPI provides %s, but MaTEx's threads (TensorFlow's collective ops, its "
+        "progress thread) call MPI concurrently and need MPI_THREAD_MULTIPLE. Fix: on Cray "
+        "MPICH set MPICH_MAX_THREAD_SAFETY=multiple; with mpi4py, do not lower "
+        "mpi4py.rc.thread_level (its default asks for 'multiple'); otherwise use an MPI built "
+        "with thread support (Open MPI 5 and MPICH 4 are)."
+        % names.get(provided, "thread level %d" % provided))
 
 
 def _wait_for_every_rank(world, tolerate=()):

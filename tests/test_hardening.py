@@ -55,3 +55,19 @@ def test_import_on_some_ranks_only_is_an_error_not_a_hang(tmp_path):
     assert "waited 5 s for the other ranks to start MaTEx" in proc.stderr, proc.stderr[-3000:]
     assert "imported" not in proc.stdout
 
+
+
+def test_mpi_without_thread_multiple_is_an_error_naming_the_fix():
+    # MaTEx's threads call MPI concurrently: at a lower thread level that was a warning only
+    code = ("import mpi4py; mpi4py.rc.thread_level = 'serialized'\n"
+            "import matex\n"
+            "try:\n"
+            "    matex.init()\n"
+            "except RuntimeError as exc:\n"
+            "    print(exc)\n")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          timeout=120)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stdout.startswith("matex: MPI provides MPI_THREAD_SERIALIZED, but MaTEx's "
+                                  "threads"), proc.stdout + proc.stderr[-2000:]
+    assert "MPICH_MAX_THREAD_SAFETY=multiple" in proc.stdout
