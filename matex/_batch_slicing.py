@@ -212,6 +212,9 @@ def shard_pydataset(pydataset, shuffle: bool = False, seed: int = 0, epoch: int 
     different global batches). The epoch advances in ``on_epoch_end``, which
     Keras calls between epochs once no batch of the ending epoch is pending
     (and once before training: a shift that is the same on every rank).
+    ``fit`` sets it to Keras's own epoch at every epoch's beginning
+    (``set_epoch``, by ``inputs.EpochOfInput``), so that an epoch resumed from
+    a restored backup is shuffled as in an uninterrupted run.
     ``workers``, ``use_multiprocessing`` and ``max_queue_size`` are kept.
     """
     import keras
@@ -246,6 +249,10 @@ def shard_pydataset(pydataset, shuffle: bool = False, seed: int = 0, epoch: int 
 
         def __getitem__(self, index):
             return _take_slice(pydataset[self._index(index)])   # ranks read per batch
+
+        def set_epoch(self, epoch):
+            """Batches from now on are epoch ``epoch``'s (none of it fetched yet)."""
+            self.epoch = epoch
 
         def on_epoch_begin(self):
             pydataset.on_epoch_begin()

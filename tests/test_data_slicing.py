@@ -38,7 +38,7 @@ CHAINS = {
 
 @pytest.mark.parametrize("nranks", [2, 3])
 def test_batch_slicing_suite(nranks, tmp_path):
-    assert mpitools.run_suite(nranks, ["test_batch_slicing.py"], tmp_path) >= 23
+    assert mpitools.run_suite(nranks, ["test_batch_slicing.py"], tmp_path) >= 24
 
 
 def write_data(path, total=128):

@@ -68,27 +68,30 @@ def shard_input(x, y, sample_weight, batch_size, shuffle, seed, epoch=0):
 
 
 class EpochOfInput(keras.callbacks.Callback):
-    """Tells ``fit``'s array input which epoch Keras starts with (resumed ones included).
+    """Tells ``fit``'s shuffled input which epoch Keras runs (resumed ones included).
 
     Keras starts at the epoch a ``BackupAndRestore`` restored (``matexrun
-    --restart``), which is known only once training begins: the first
-    ``on_epoch_begin`` numbers the passes from there, so that epoch ``k`` is
-    shuffled as in an uninterrupted run. Only the first: the next epoch's
-    pass may already have started (and counted itself) when it begins.
+    --restart``), which is known only once training begins; the input's
+    permutation must be that epoch's, as in an uninterrupted run. Arrays
+    (``ArrayShards``) are told at the first ``on_epoch_begin`` only and count
+    on from there: the next epoch's pass may have started (and counted
+    itself) before that epoch begins. A ``PyDataset`` picks its batch order
+    when a batch is asked for, and is told at every epoch.
     """
 
-    def __init__(self, shards):
+    def __init__(self, source, every_epoch=False):
         super().__init__()
-        self.shards = shards
+        self.source = source
+        self.every_epoch = every_epoch
         self.told = False
 
     def on_train_begin(self, logs=None):
         self.told = False
 
     def on_epoch_begin(self, epoch, logs=None):
-        if not self.told:
+        if self.every_epoch or not self.told:
             self.told = True
-            self.shards.set_epoch(epoch)
+            self.source.set_epoch(epoch)
 
 
 class TrainInput:
@@ -97,6 +100,7 @@ class TrainInput:
     def __init__(self, x, y, sample_weight, batch, shuffle, seed):
         self.raw = (x, y, sample_weight, batch, shuffle, seed)
         self.shards = None
+        self.batches = None   # the sharded PyDataset of the last ``at``
         self.steps = None
         if _batch_slicing.is_array_input(x):
             self.shards = _batch_slicing.ArrayShards(packed(x, y, sample_weight), batch, shuffle,
@@ -107,7 +111,11 @@ class TrainInput:
 
     def callbacks(self):
         """Callbacks ``fit`` must pass to Keras with the input of ``at`` (``EpochOfInput``)."""
-        return [EpochOfInput(self.shards)] if self.shards is not None else []
+        if self.shards is not None:
+            return [EpochOfInput(self.shards)]
+        if self.batches is not None:
+            return [EpochOfInput(self.batches, every_epoch=True)]
+        return []
 
     def at(self, epoch, step):
         """(x, y, sample_weight, batch_size) for Keras, starting at (epoch, step).
@@ -123,7 +131,9 @@ class TrainInput:
             raise RuntimeError(
                 "cannot resume training after a rank failure: fit's input is not re-iterable "
                 "from a given step (use arrays or a tf.data dataset of known length)")
-        return shard_input(x, y, sw, batch, shuffle, seed, epoch)
+        given = shard_input(x, y, sw, batch, shuffle, seed, epoch)
+        self.batches = given[0] if hasattr(given[0], "set_epoch") else None
+        return given
 
 
 def validation_input(validation, batch):

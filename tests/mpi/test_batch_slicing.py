@@ -342,7 +342,8 @@ class _Stop(Exception):
     pass
 
 
-def test_resumed_fit_sees_the_batches_of_an_uninterrupted_run():
+@pytest.mark.parametrize("source", ["arrays", "pydataset"])
+def test_resumed_fit_sees_the_batches_of_an_uninterrupted_run(source):
     # matexrun --restart: the relaunched script's fit restores epoch and weights from the
     # backup; each resumed epoch must shuffle as that epoch did in an uninterrupted run
     import matex.keras  # noqa: F401
@@ -366,6 +367,13 @@ def test_resumed_fit_sees_the_batches_of_an_uninterrupted_run():
             self.seen.setdefault(self.epoch_now, []).append(data[0][:, 0].numpy().tolist())
             return super().train_step(data)
 
+    class Rows(keras.utils.PyDataset):
+        def __len__(self):
+            return rows // batch
+
+        def __getitem__(self, i):
+            return x[i * batch:(i + 1) * batch], y[i * batch:(i + 1) * batch]
+
     class Epoch(keras.callbacks.Callback):
         def on_epoch_begin(self, epoch, logs=None):
             if epoch == stop >= 0:
@@ -381,7 +389,10 @@ def test_resumed_fit_sees_the_batches_of_an_uninterrupted_run():
         model.compile(optimizer=keras.optimizers.SGD(0.05), loss="mse", run_eagerly=True)
         callbacks = [Epoch()] + ([keras.callbacks.BackupAndRestore(backup)] if restore else [])
         try:
-            model.fit(x, y, batch_size=batch, epochs=epochs, callbacks=callbacks, verbose=0)
+            if source == "arrays":
+                model.fit(x, y, batch_size=batch, epochs=epochs, callbacks=callbacks, verbose=0)
+            else:
+                model.fit(Rows(), epochs=epochs, callbacks=callbacks, verbose=0)
         except _Stop:
             pass
         return model
@@ -394,5 +405,9 @@ def test_resumed_fit_sees_the_batches_of_an_uninterrupted_run():
     for epoch in range(stop_at, epochs):
         assert resumed.seen[epoch] == whole.seen[epoch], epoch
     assert whole.seen[0] != whole.seen[1]           # shuffled, differently per epoch
+    everyone = gather({e: [list(b) for b in v] for e, v in whole.seen.items()})
+    for epoch in range(epochs):                     # every row once per epoch, over all ranks
+        ids = sorted(i for seen in everyone for b in seen[epoch] for i in b)
+        assert ids == list(range(rows)), (epoch, ids)
     for a, b in zip(resumed.weights, whole.weights):
         np.testing.assert_allclose(a.numpy(), b.numpy(), rtol=1e-6)
