@@ -43,6 +43,9 @@ REQUIRED = (
     ("keras_tuner.src.engine.base_tuner", "BaseTuner.search"),
     ("keras_tuner.src.engine.base_tuner", "BaseTuner.save"),
     ("keras_tuner.src.engine.base_tuner", "BaseTuner.get_trial_dir"),
+    ("keras_tuner.src.engine.base_tuner", "BaseTuner._run_and_update_trial"),
+    ("keras_tuner.src.engine.oracle", "LOCKS"),
+    ("keras_tuner.src.engine.oracle", "THREADS"),
     ("keras_tuner.src.engine.base_tuner", "BaseTuner.project_dir"),
     ("keras_tuner.src.engine.oracle", "Oracle._set_project_dir"),
     ("keras_tuner.src.engine.oracle", "Oracle._get_oracle_fname"),
@@ -225,6 +228,11 @@ def make_function(model, step):
 
 # ---- keras-tuner (matex.hpo) ---------------------------------------------------------------
 
+# BaseTuner's method that runs one trial's body and reports its results (it raises;
+# its caller turns an error into a failed trial)
+TUNER_RUN_TRIAL = "_run_and_update_trial"
+
+
 def base_tuner_class():
     """Keras Tuner's ``BaseTuner``: every tuner's ``__init__``, ``search`` and files."""
     return _resolve("keras_tuner.src.engine.base_tuner", "BaseTuner")
@@ -259,6 +267,22 @@ def oracle_reload_from_disk(oracle):
         running = dict(json.load(f).get("ongoing_trials", {}))
     oracle.reload()
     return running
+
+
+def oracle_unlock_after_error(oracle):
+    """Release an oracle's lock that Keras Tuner's ``@synchronized`` left held by a raise.
+
+    Its wrapper releases the lock only when the call returns: after an error
+    (e.g. too many failed trials in a row) the lock stays held and the next
+    call from another thread waits for ever. Released only when this thread
+    holds it.
+    """
+    import threading
+
+    module = importlib.import_module("keras_tuner.src.engine.oracle")
+    if oracle in module.THREADS and module.THREADS[oracle] == threading.current_thread().name:
+        module.THREADS[oracle] = None
+        module.LOCKS[oracle].release()
 
 
 def oracle_run_times(oracle):

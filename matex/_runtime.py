@@ -38,6 +38,7 @@ _comm = None        # mpi4py communicator every collective uses
 _control = None     # duplicate of _comm for MaTEx's Python-level messages
 _local = None       # ranks of _comm sharing this node
 _owned = False      # whether MaTEx created _comm (then it frees it when replaced)
+control_class = None   # while matex.hpo searches: the class of new control communicators
 _peers = None       # world rank -> (hostname, pid) of the ranks alive at start-up (ULFM)
 
 PROGRESS_INTERVAL = 0.05   # seconds between a background thread's entries into MPI
@@ -234,6 +235,8 @@ def _set_comm(comm, owned=True):
         local = comm.Split_type(MPI.COMM_TYPE_SHARED, key=comm.Get_rank())
         control = comm.Dup()
         control.Set_errhandler(MPI.ERRORS_RETURN)
+        if control_class is not None:
+            control = control_class(control)   # the same handle, with checked collectives
         old = (_comm, _control, _local, _owned)
         _comm, _control, _local, _owned = comm, control, local, owned
         from matex import _native

@@ -74,14 +74,42 @@ def _check_kt_search(records, directory, max_trials, k=2, project="p"):
 
 
 def test_unmodified_keras_tuner_script_4_ranks_2_per_trial(tmp_path):
+    """Then, in the same job, a search whose trials raise on one rank of their group."""
     out, directory = str(tmp_path / "r"), str(tmp_path / "tuner")
-    proc = mpitools.run_mpi(4, [sys.executable, "-m", "matex", KT_SCRIPT, out, directory, "6"],
+    proc = mpitools.run_mpi(4, [sys.executable, "-m", "matex", KT_SCRIPT, out, directory, "6",
+                                "overwrite", "random,faulty"],
                             mpi_args=["-x", "MATEX_RANKS_PER_TRIAL"],
                             env=_env(MATEX_RANKS_PER_TRIAL="2"), timeout=600)
     assert proc.returncode == 0, proc.stderr[-4000:]
     fits = _check_kt_search(_records(out), directory, 6)
     assert len(fits) == 6
     assert "gRPC" not in proc.stderr and "KERASTUNER" not in proc.stderr
+    _check_faulty_search(_records(out + ".faulty"))
+
+
+def _check_faulty_search(records):
+    """A trial that raised on rank 1 of its group (in the hypermodel's build, or in a fit
+    callback) while rank 0 waited in a collective is recorded failed with rank 1's error;
+    the other trials complete; the search ends (no hang) with the same trials everywhere."""
+    kinds = {}
+    for rank, r in enumerate(records):
+        for trial_id, kind in r["kinds"].items():
+            kinds.setdefault(trial_id, set()).add(kind)
+    assert len(kinds) == 6 and all(len(k) == 1 for k in kinds.values()), kinds
+    kinds = {i: k.pop() for i, k in kinds.items()}
+    assert {"build", "callback", None} == set(kinds.values()), kinds
+    trials = records[0]["all"]
+    assert sorted(trials) == sorted(kinds)
+    for trial_id, kind in kinds.items():
+        status, message = trials[trial_id]["status"], trials[trial_id]["message"]
+        if kind is None:
+            assert status == "COMPLETED", (trial_id, status, message)
+        else:
+            assert status == "FAILED", (trial_id, kind, status)
+            assert "ValueError: boom in %s on world rank " % kind in message, message
+    for r in records:
+        assert r["all"] == trials and r["size"] == 4
+        assert r["best"] == records[0]["best"]
 
 
 def test_genetic_and_lazy_bayesian_search_on_a_keras_model_4_ranks_2_per_trial(tmp_path):
@@ -205,6 +233,7 @@ def test_bad_inputs_raise_clearly_on_every_rank(minimize_run):
 
 
 def test_trial_raising_on_one_rank_is_recorded_failed_and_the_search_goes_on(minimize_run):
+    """Rank 1 raises while rank 0 waits for it in an allreduce: rank 0 is released."""
     records, _ = minimize_run
     results = [r["fn-raises-on-one-rank"] for r in records]
     trials = results[0]["trials"]
@@ -229,3 +258,27 @@ def test_minimize_resumes_without_repeating(minimize_run):
     assert len(first) == 4 and len(second) == 4 and not set(first) & set(second)
     assert records[0]["resume"]["second"]["value"] == min(
         _branin(*x) for x in first + second)
+
+
+def test_an_oracle_that_gives_up_ends_the_search_with_its_error_on_every_rank(minimize_run):
+    """Keras Tuner's oracle raises on the owner (2 failed trials in a row) and leaves its
+    lock held: the search ends with that error on every rank, no deadlock."""
+    records, _ = minimize_run
+    for r in records:
+        result = r["oracle-gives-up"]
+        assert result["error"] == "RuntimeError", result
+        assert result["message"].startswith(
+            "matex.hpo: the search stopped on the oracle's error: RuntimeError: Number of "
+            "consecutive failures exceeded the limit of 2."), result["message"]
+        assert "ArithmeticError: nothing works" in result["message"]
+
+
+def test_an_oracle_raising_on_a_request_ends_the_search_on_every_rank(minimize_run):
+    """The oracle raises when a group leader asks for a trial: the leader's group is not
+    left waiting in its broadcast; every rank raises the oracle's error."""
+    records, _ = minimize_run
+    for r in records:
+        result = r["oracle-raises"]
+        assert (result.get("error"), result.get("message")) == (
+            "RuntimeError", "matex.hpo: the search stopped on the oracle's error: LookupError: "
+                            "no more points in this oracle"), result

@@ -27,18 +27,25 @@ from matex import launcher as launch
 SCRIPT = str(mpitools.ROOT / "tests" / "scripts" / "hpo_keras_tuner.py")
 
 
-def _run(tmp_path, k, fault):
+def _run(tmp_path, k, fault, again=None):
     out, directory = str(tmp_path / "r"), str(tmp_path / "tuner")
     env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2", MATEX_RANKS_PER_TRIAL=str(k),
-               MATEX_INJECT_FAULT=fault)
+               MATEX_INJECT_FAULT=fault, MATEX_TEST_SEARCH_AGAIN=str(again or ""))
     proc = mpitools.run_mpi(
         4, [sys.executable, "-m", "matex", SCRIPT, out, directory, "6"],
-        mpi_args=["-x", "MATEX_RANKS_PER_TRIAL", "-x", "MATEX_INJECT_FAULT"]
+        mpi_args=["-x", "MATEX_RANKS_PER_TRIAL", "-x", "MATEX_INJECT_FAULT",
+                  "-x", "MATEX_TEST_SEARCH_AGAIN"]
         + launch.ft_mpi_args(), env=env, timeout=600)
     return proc, out, directory
 
 
-def _check(proc, out, directory, victim):
+def _check_disk(directory, trials):
+    state = json.load(open(os.path.join(directory, "p", "oracle.json")))
+    assert sorted(state["end_order"]) == sorted(trials), state["end_order"]   # once each
+    assert state["ongoing_trials"] == {} and state["retry_queue"] == []
+
+
+def _check(proc, out, directory, victim, searches=1):
     assert proc.returncode == 0, proc.stderr[-5000:]
     assert proc.stderr.count("matex: injecting fault") == 1
     survivors = [r for r in range(4) if r != victim]
@@ -46,9 +53,8 @@ def _check(proc, out, directory, victim):
     records = {r: json.load(open("%s.%d.json" % (out, r))) for r in survivors}
     trials = records[survivors[0]]["trials"]
     assert len(trials) == 6 and all(t["status"] == "COMPLETED" for t in trials.values()), trials
-    state = json.load(open(os.path.join(directory, "p", "oracle.json")))
-    assert sorted(state["end_order"]) == sorted(trials), state["end_order"]   # once each
-    assert state["ongoing_trials"] == {} and state["retry_queue"] == []
+    if searches == 1:   # else the directory holds the later searches' trials too
+        _check_disk(directory, trials)
     for r in records.values():
         assert r["best"] == records[survivors[0]]["best"]
         assert r["best_digest"] == records[survivors[0]]["best_digest"]
@@ -73,11 +79,35 @@ def test_member_of_a_group_killed_inside_a_trial_group_shrinks_and_goes_on(tmp_p
 
 
 def test_group_left_empty_gives_its_trial_back_to_the_queue(tmp_path):
-    proc, out, directory = _run(tmp_path, 1, "rank=2,step=2,kind=kill,at=begin")
-    records = _check(proc, out, directory, victim=2)
+    """Then the same tuner searches again (2 more trials) on the 3 groups left."""
+    proc, out, directory = _run(tmp_path, 1, "rank=2,step=2,kind=kill,at=begin", again=8)
+    records = _check(proc, out, directory, victim=2, searches=2)
     fitted = [json.dumps(f["hp"], sort_keys=True) for r in records.values() for f in r["fits"]]
     assert len(fitted) == len(set(fitted)) == 6, fitted   # the lost trial ran again, elsewhere
     assert "goes back to the queue" in proc.stderr
+    # the second search knows the groups of the survivors (it hung, waiting for the lost
+    # rank's group to finish, when it kept the first search's groups)
+    again = {r: json.load(open("%s.again.%d.json" % (out, r))) for r in (0, 1, 3)}
+    trials = again[0]["trials"]
+    assert len(trials) == 8 and all(t["status"] == "COMPLETED" for t in trials.values())
+    _check_disk(directory, trials)
+    more = [json.dumps(f["hp"], sort_keys=True) for r in again.values() for f in r["fits"]]
+    assert len(more) == 2 and not set(more) & set(fitted), more
+    assert all(f["size"] == 1 for r in again.values() for f in r["fits"])
+    for r in again.values():
+        assert r["trials"] == trials and r["best"] == again[0]["best"] and r["size"] == 3
+
+
+def test_group_member_killed_as_a_trial_starts_the_shrunk_group_runs_it(tmp_path):
+    """Rank 2 dies on entering its first fit, before fit's recovery loop: rank 3 gets the
+    failure in fit's set-up; the trial is run again by rank 3 alone, not recorded FAILED."""
+    proc, out, directory = _run(tmp_path, 2, "rank=2,step=0,kind=kill,at=fit")
+    records = _check(proc, out, directory, victim=2)
+    assert records[3]["fits"] and all(f["size"] == 1 for f in records[3]["fits"])
+    assert all(f["size"] == 2 for r in (0, 1) for f in records[r]["fits"])
+    fitted = [h for r in (0, 3) for h in dict.fromkeys(
+        json.dumps(f["hp"], sort_keys=True) for f in records[r]["fits"])]
+    assert len(fitted) == len(set(fitted)) == 6, fitted   # 6 trials, each trained by one group
 
 
 def test_oracle_owner_killed_inside_a_trial_survivor_takes_over_2_per_trial(tmp_path):

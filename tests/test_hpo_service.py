@@ -102,3 +102,101 @@ def test_batched_writes_write_each_file_once_at_the_end(tmp_path, writes):
     assert writes == ["d/f.json"] and open(path, "rb").read() == b"2"
     _service.write_atomically(path, b"3")   # outside a block: at once
     assert open(path, "rb").read() == b"3" and len(writes) == 2
+
+
+def test_an_oracle_error_leaves_no_lock_held_for_the_other_thread(tmp_path):
+    """Keras Tuner's @synchronized keeps the oracle's lock after the oracle raised (here: 1
+    failed trial is the limit); the owner's other thread must still get answers."""
+    import threading
+
+    _tuner.install()
+    space = kt.HyperParameters()
+    space.Float("x", 0.0, 1.0)
+    oracle = kt.oracles.RandomSearchOracle(objective=kt.Objective("value", "min"), max_trials=9,
+                                           seed=0, hyperparameters=space,
+                                           max_consecutive_failed_trials=1)
+    oracle._set_project_dir(str(tmp_path), "p")
+    oracle._display.verbose = 0
+    handler = _service.Handler(oracle, lambda i: os.path.join(str(tmp_path), "p", "trial_" + i), 2)
+    first = handler("create_trial", ("matex-group-0",))
+    second = handler("create_trial", ("matex-group-1",))
+    first["status"], first["message"] = "FAILED", "it broke"
+
+    def in_thread(*request):   # as the service thread would
+        answers = []
+        t = threading.Thread(target=lambda: answers.append(handler(*request)), daemon=True)
+        t.start()
+        t.join(20)
+        assert not t.is_alive(), "the handler waits for ever for the oracle's lock"
+        return answers[0]
+
+    in_thread("end_trial", (first, {}, [], "matex-group-0"))
+    assert handler.fatal.startswith("RuntimeError: Number of consecutive failures exceeded")
+    second["status"] = "COMPLETED"
+    # from another thread: the oracle is free, the result is recorded, the group is stopped
+    assert in_thread("end_trial", (second, {}, [(second["trial_id"], {"value": 0.5}, 0)],
+                                   "matex-group-1"))["status"] == "STOPPED"
+    assert oracle.get_trial(second["trial_id"]).status == "COMPLETED"
+    assert in_thread("create_trial", ("matex-group-0",))["status"] == "STOPPED"
+
+
+class _FakeComm:
+    """The service communicator in one process: requests queued, replies collected."""
+
+    def __init__(self, requests, fail_recv=()):
+        self.requests, self.replies, self.fail_recv = list(requests), [], set(fail_recv)
+
+    def Iprobe(self, source, tag, status):
+        if not self.requests:
+            return False
+        status.Set_source(self.requests[0][0])
+        return True
+
+    def recv(self, source, tag):
+        _, request = self.requests.pop(0)
+        if source in self.fail_recv:
+            raise RuntimeError("request from %d cannot be read" % source)
+        return request
+
+    def send(self, obj, dest, tag):
+        import pickle
+
+        pickle.dumps(obj)   # as mpi4py does, before anything is sent
+        self.replies.append((dest, obj))
+
+
+class _Answers:
+    fatal = None
+
+    def __call__(self, op, args):
+        return (lambda: None) if op == "unpicklable" else 42
+
+
+def _serve(comm, handler, replies):
+    import time
+
+    server = _service.Server(comm, handler).start()
+    deadline = time.time() + 20
+    while len(comm.replies) < replies and time.time() < deadline:
+        time.sleep(0.01)
+    alive = server._thread.is_alive()
+    server.stop()
+    return alive
+
+
+def test_the_service_answers_every_request_even_one_it_cannot_answer():
+    """A reply that cannot be pickled (the thread died silently, and every later request
+    waited for ever) and a request that cannot be read: error replies, service goes on."""
+    comm = _FakeComm([(1, ("unpicklable", ())), (2, ("get", ())), (3, ("get", ())),
+                      (1, ("get", ()))], fail_recv={3})
+    handler = _Answers()
+    assert _serve(comm, handler, 4), "the service thread died"
+    assert [d for d, _ in comm.replies] == [1, 2, 3, 1]
+    (_, bad), (_, good), (_, unread), (_, after) = comm.replies
+    assert bad[0] is False and bad[1].startswith("the answer cannot be sent: ")
+    assert good == (True, 42) and after == (True, 42)
+    assert unread == (False, "the oracle's service failed on this request: RuntimeError: "
+                             "request from 3 cannot be read")
+    # an error of the service itself ends the search on every rank (kept, raised at the end)
+    assert handler.fatal == "the oracle's service failed: RuntimeError: request from 3 " \
+                            "cannot be read"

@@ -49,7 +49,14 @@ def _function_tuner_class():
             super().__init__(**kwargs)
 
         def run_trial(self, trial, *args, **kwargs):
-            value = self._fn(trial.hyperparameters, _runtime.comm())
+            from matex.hpo._groups import checked_class
+
+            # collectives on this comm are agreed on first, so a peer whose call raised
+            # releases this rank from one it waits in (see matex.hpo._groups)
+            comm = _runtime.comm()
+            if comm.Get_size() > 1:
+                comm = checked_class()(comm)
+            value = self._fn(trial.hyperparameters, comm)
             return float(value)
 
     return FunctionTuner

@@ -126,21 +126,44 @@ class Handler:
         with self.lock, batched_writes():
             return getattr(self, "op_" + op)(*args)
 
+    def _oracle_call(self, method, *args, **kwargs):
+        """An oracle method inside the search; its error ends the search on every rank.
+
+        The error is kept (``fatal``: every group is told STOPPED from now on and
+        every rank raises it when the search ends) instead of raised on the one
+        rank that asked. Keras Tuner's lock, which its ``@synchronized`` leaves
+        held after a raise, is released: the next call (from the other thread)
+        would wait for it for ever.
+        """
+        try:
+            return getattr(self.oracle, method)(*args, **kwargs)
+        except Exception as exc:  # noqa: BLE001 - e.g. too many failures in a row
+            from matex import _compat
+
+            _compat.oracle_unlock_after_error(self.oracle)
+            if self.fatal is None:
+                self.fatal = "%s: %s" % (type(exc).__name__, exc)
+                log.error("matex.hpo: the search stops: %s", self.fatal)
+            return None
+
     def op_create_trial(self, tuner_id):
-        if self.fatal is not None:   # the search ended with an error: every group stops
+        trial = None
+        if self.fatal is None:
+            trial = self._oracle_call("create_trial", tuner_id)
+        if trial is None:   # the search ended with an error: every group stops
             self.stopped.add(tuner_id)
             from keras_tuner.src.engine import trial as trial_module
 
             return trial_module.Trial(self.oracle.get_space(), status="STOPPED").get_state()
-        trial = self.oracle.create_trial(tuner_id)
         if trial.status == "STOPPED":
             self.stopped.add(tuner_id)
         return trial.get_state()
 
     def op_update_trial(self, trial_id, metrics, step):
-        if trial_id in self.oracle.end_order:   # resent after a takeover: already recorded
-            return self.oracle.get_trial(trial_id).get_state()
-        return self.oracle.update_trial(trial_id, metrics, step=step).get_state()
+        if trial_id in self.oracle.end_order or self.fatal is not None:
+            return self.oracle.get_trial(trial_id).get_state()   # e.g. resent after a takeover
+        trial = self._oracle_call("update_trial", trial_id, metrics, step=step)
+        return (trial or self.oracle.get_trial(trial_id)).get_state()
 
     def op_end_trial(self, state, files, updates=(), next_for=None):
         """Record a trial's result; with ``next_for``, also answer that group's next request.
@@ -173,11 +196,7 @@ class Handler:
             directory = self.trial_dir(trial.trial_id)
             for name, data in files.items():
                 write_atomically(os.path.join(directory, name), data)
-        try:
-            self.oracle.end_trial(trial)
-        except Exception as exc:  # noqa: BLE001 - e.g. too many failures in a row: ends the search
-            self.fatal = "%s: %s" % (type(exc).__name__, exc)
-            log.error("matex.hpo: the search stops: %s", self.fatal)
+        self._oracle_call("end_trial", trial)   # recorded even after a fatal error
         # Keras Tuner saves before it drops the trial from the ongoing ones (its tuner saves
         # again afterwards): save the state where the trial is no longer running
         self.oracle.save()
@@ -260,34 +279,82 @@ class Server:
         self._thread.join()
 
     def _serve(self):
+        """Answer requests until stopped; no error of one request ends the service.
+
+        A request that cannot be read or answered (e.g. a reply that cannot be
+        pickled) gets an error reply; any other error is kept in ``error`` and
+        ends the search with it on every rank (``handler.fatal``), while the
+        thread goes on answering (every group is told STOPPED), so no rank
+        waits for an answer that never comes. Lost peers (ULFM) are acknowledged.
+        """
         from mpi4py import MPI
 
-        from matex.errors import is_rank_failure
-
         status = MPI.Status()
+        errors_in_a_row = 0
         while not self._stop.is_set():
+            source = None
             try:
                 if not self.comm.Iprobe(MPI.ANY_SOURCE, REQUEST, status):
                     time.sleep(POLL_SECONDS)
                     continue
                 source = status.Get_source()
                 op, args = self.comm.recv(source=source, tag=REQUEST)
-            except MPI.Exception as exc:
-                if not is_rank_failure(exc):
-                    self.error = exc
-                    raise
-                self._acknowledge()
-                continue
+                try:
+                    reply = (True, self.handler(op, args))
+                except Exception as exc:  # noqa: BLE001 - sent back, raised on the asking rank
+                    reply = (False, "%s: %s\n%s" % (type(exc).__name__, exc,
+                                                     traceback.format_exc()))
+                self._send(reply, source)
+                errors_in_a_row = 0
+            except Exception as exc:  # noqa: BLE001 - never a silent end of the service
+                if self._lost_peer(exc):
+                    continue
+                errors_in_a_row += 1
+                self._failed(exc, source)
+                if errors_in_a_row >= 100:   # the communicator itself is unusable
+                    log.error("matex.hpo: the oracle's service stops after 100 errors in a row")
+                    return
+                time.sleep(POLL_SECONDS)
+
+    def _send(self, reply, dest):
+        """Send ``reply``; one that cannot be pickled becomes an error reply.
+
+        mpi4py pickles before it sends anything, so nothing of it has gone.
+        """
+        from mpi4py import MPI
+
+        try:
+            self.comm.send(reply, dest=dest, tag=REPLY)
+        except MPI.Exception:
+            raise
+        except Exception as exc:  # noqa: BLE001 - the asking rank raises it
+            self.comm.send((False, "the answer cannot be sent: %s: %s" % (type(exc).__name__,
+                                                                         exc)),
+                           dest=dest, tag=REPLY)
+
+    def _lost_peer(self, exc) -> bool:
+        """Under ULFM a lost peer is acknowledged and the service goes on."""
+        from matex import _resilience
+
+        if not _resilience.is_failure(exc):
+            return False
+        self._acknowledge()
+        return True
+
+    def _failed(self, exc, source):
+        """An error of the service itself: kept, and the search ends with it everywhere."""
+        if self.error is None:
+            self.error = exc
+            log.error("matex.hpo: the oracle's service failed: %s: %s\n%s", type(exc).__name__,
+                      exc, traceback.format_exc())
+        if self.handler is not None and getattr(self.handler, "fatal", "") is None:
+            self.handler.fatal = "the oracle's service failed: %s: %s" % (type(exc).__name__, exc)
+        if source is not None:   # the asking rank must not wait for ever
             try:
-                reply = (True, self.handler(op, args))
-            except Exception as exc:  # noqa: BLE001 - sent back, raised on the asking rank
-                reply = (False, "%s: %s\n%s" % (type(exc).__name__, exc, traceback.format_exc()))
-            try:
-                self.comm.send(reply, dest=source, tag=REPLY)
-            except MPI.Exception as exc:
-                if not is_rank_failure(exc):
-                    raise
-                self._acknowledge()   # the asking rank died meanwhile
+                self.comm.send((False, "the oracle's service failed on this request: %s: %s"
+                                % (type(exc).__name__, exc)), dest=source, tag=REPLY)
+            except Exception:  # noqa: BLE001 - nothing more can be done for it
+                pass
 
     def _acknowledge(self):
         """Acknowledge failed peers so receives from any source work again (ULFM)."""
@@ -327,8 +394,7 @@ class Client:
     def __call__(self, op, *args):
         from mpi4py import MPI
 
-        from matex import _runtime
-        from matex.errors import is_rank_failure
+        from matex import _resilience, _runtime
 
         while self.handler is None:
             comm, owner = self.groups.service, self.groups.owner_rank
@@ -336,7 +402,7 @@ class Client:
                 comm.send((op, args), dest=owner, tag=REQUEST)
                 ok, value = comm.recv(source=owner, tag=REPLY)
             except MPI.Exception as exc:
-                if not is_rank_failure(exc) or _runtime.ft_mode() != "ulfm" \
+                if not _resilience.is_failure(exc) or _runtime.ft_mode() != "ulfm" \
                         or self.take_over is None:
                     raise
                 self._fail_over(owner)

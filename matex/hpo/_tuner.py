@@ -42,8 +42,9 @@ import threading
 import time
 
 from matex import _compat, _config, _runtime
+from matex._everywhere import agree_error, on_every_rank
 from matex.hpo import _service
-from matex.hpo._groups import Groups
+from matex.hpo._groups import Groups, finish_trial
 
 FINGERPRINT = "matex_search.json"
 _lock = threading.Lock()
@@ -86,6 +87,7 @@ def install():
         patch(base, "search", _search)
         patch(base, "save", _save)
         patch(base, "get_trial_dir", _get_trial_dir)
+        patch(base, _compat.TUNER_RUN_TRIAL, _run_trial)
         original_dir = base.project_dir
 
         def project_dir(self):
@@ -179,16 +181,6 @@ def _check_directory(tuner):
         _service.write_atomically(path, json.dumps(mine).encode())
 
 
-def _agree(comm, error):
-    """Raise on every rank if ``error`` (a message or None) is set on any rank."""
-    errors = comm.allgather(error)
-    bad = [(r, e) for r, e in enumerate(errors) if e]
-    if bad:
-        rank, text = bad[0]
-        raise SearchError(text if rank == comm.Get_rank() or "matex.hpo" in text
-                          else "rank %d: %s" % (rank, text))
-
-
 def _init(original):
     from matex._keras.calls import bind
 
@@ -200,28 +192,24 @@ def _init(original):
         groups = Groups(k)   # the same ValueError on every rank when k does not divide
         search = Search(groups)
         self._matex_search = search
-        error = None
-        if groups.owner:
-            try:
+
+        def build_owner():
+            if groups.owner:
                 original(*bound.args, **bound.kwargs)
                 _check_directory(self)
                 _service.forget_finished_retries(self.oracle)
-            except Exception as exc:  # noqa: BLE001 - raised on every rank below
-                error = "%s: %s" % (type(exc).__name__, exc)
-                own = exc
-        owners_error = groups.service.bcast(error, root=0)
-        if owners_error:
-            if groups.owner:
-                raise own
-            raise SearchError("matex.hpo: the oracle's owner (rank 0) could not start the "
-                              "search: %s" % owners_error)
-        if not groups.owner:
-            bound.arguments["overwrite"] = False   # only the owner deletes the directory
-            try:
+
+        def build_others():
+            if not groups.owner:
+                bound.arguments["overwrite"] = False   # only the owner deletes the directory
                 original(*bound.args, **bound.kwargs)
-            except Exception as exc:  # noqa: BLE001 - raised on every rank below
-                error = "%s: %s" % (type(exc).__name__, exc)
-        _agree(groups.service, error)
+
+        # the owner first (it alone deletes, creates and reloads the directory), then the
+        # others; an error anywhere is raised on every rank
+        on_every_rank(groups.service, build_owner, error_type=SearchError,
+                      what="matex.hpo: the oracle's owner could not start the search")
+        on_every_rank(groups.service, build_others, error_type=SearchError,
+                      what="matex.hpo: a rank could not start the search")
         search.attach(self)
 
     return init
@@ -239,6 +227,37 @@ def _search(original):
             state.end(self)
 
     return search
+
+
+def _run_trial(original):
+    """Under ULFM, a trial whose group lost a rank is run again by the shrunk group.
+
+    ``fit``'s recovery loop carries a trial on when a rank is lost while it
+    trains; a rank lost before that loop starts (e.g. in ``fit``'s set-up, or in
+    a collective of the trial function itself) would otherwise fail the trial:
+    the survivors shrink their group and run it again from its start.
+    """
+    def run(self, trial, *args, **kwargs):
+        from matex import _resilience
+
+        state = getattr(self, "_matex_search", None)
+        for attempt in range(8):
+            try:
+                return original(self, trial, *args, **kwargs)
+            except Exception as exc:
+                if state is None or not trial_in_search(self) or attempt == 7 \
+                        or _runtime.ft_mode() != "ulfm" or not _resilience.is_failure(exc):
+                    raise
+                _service.log.warning("matex.hpo: trial %s lost a rank of its group; the %d "
+                                     "left run it again", trial.trial_id, _runtime.size())
+                _resilience.recover()
+
+    return run
+
+
+def trial_in_search(tuner) -> bool:
+    oracle = getattr(tuner, "oracle", None)
+    return isinstance(oracle, GroupOracle) and oracle.in_search
 
 
 def _save(original):
@@ -351,6 +370,8 @@ class Search:
             raise SearchError("matex.hpo: the hyperparameter space is empty: the model-building "
                               "function declares no hyperparameter (hp.Int, hp.Float, "
                               "hp.Choice, ...), so there is nothing to search")
+        if self.groups.refresh() and self.groups.owner:
+            self.handler.groups = self.groups.count   # after a search that lost ranks
         if self.groups.owner:
             self._serve()
             self.handler.stopped.clear()
@@ -446,11 +467,18 @@ class GroupOracle:
             return _service.trial_from_state(self._client("create_trial", tuner_id))
         def ask():
             # a leader lost meanwhile: the new one asks again and gets the same trial back
-            state = None
+            state, error = None, None
             if Groups.leader():
                 state, self.__dict__["_next"] = self._next, None
                 if state is None:
-                    state = self._client("create_trial", group_id(self._search.groups.index))
+                    try:
+                        state = self._client("create_trial",
+                                             group_id(self._search.groups.index))
+                    except Exception as exc:  # noqa: BLE001 - raised on every rank of the group
+                        error = exc
+            # the group waits for its leader's answer: an error there is everyone's
+            agree_error(_runtime.control(), error, error_type=SearchError,
+                        what="matex.hpo: asking the oracle for a trial")
             return _runtime.control().bcast(state, root=0)
 
         state = Groups.resilient(ask)
@@ -472,15 +500,26 @@ class GroupOracle:
     def end_trial(self, trial):
         if not self.in_search:
             return self._client("end_trial", trial.get_state(), {})
-        outcomes = Groups.resilient(
-            lambda: _runtime.control().allgather((str(trial.status), trial.message)))
-        worst = max(range(len(outcomes)), key=lambda r: _SEVERITY.get(outcomes[r][0], 1))
-        status, message = outcomes[worst]
+
+        def outcome():
+            # every rank of the group at the trial's end first: one that raised releases
+            # its peers from the collective they wait in (they raise there too)
+            released = finish_trial(_runtime.comm())
+            return _runtime.control().allgather(
+                (str(trial.status), trial.message, sorted(released)))
+
+        outcomes = Groups.resilient(outcome)
+        consequences = {r for _, _, released in outcomes for r in released}
+        causes = [r for r in range(len(outcomes)) if r not in consequences] or \
+            list(range(len(outcomes)))
+        worst = max(causes, key=lambda r: _SEVERITY.get(outcomes[r][0], 1))
+        status, message, _ = outcomes[worst]
         if status != "COMPLETED":
             trial.status = status
             trial.message = "on rank %d of its group (world rank %d):\n%s" % (
                 worst, self._search.groups.world_rank - _runtime.rank() + worst, message)
         search = self._search
+        error = None
         if Groups.leader():
             files = {}
             if search.scratch is not None:
@@ -489,9 +528,17 @@ class GroupOracle:
                     files = _service.read_tree(directory)
             # one round trip: the reports, the result, and the answer to the next
             # create_trial (Keras Tuner's loop asks for it next), kept until then
-            self.__dict__["_next"] = self._client(
-                "end_trial", trial.get_state(), files, self._pending if status == "COMPLETED"
-                else [], group_id(search.groups.index))
+            try:
+                self.__dict__["_next"] = self._client(
+                    "end_trial", trial.get_state(), files,
+                    self._pending if status == "COMPLETED" else [],
+                    group_id(search.groups.index))
+            except Exception as exc:  # noqa: BLE001 - raised on every rank of the group
+                error = exc
+        # the group goes on to its next trial only if its leader could report this one
+        Groups.resilient(lambda: agree_error(
+            _runtime.control(), error, error_type=SearchError,
+            what="matex.hpo: reporting trial %s" % trial.trial_id))
         if search.scratch is not None:
             shutil.rmtree(os.path.join(search.scratch, "trial_%s" % trial.trial_id),
                           ignore_errors=True)

@@ -5,8 +5,12 @@
 
 TUNER is ``random`` (the default: ``kt.RandomSearch``, project ``p``, records in
 OUT.<rank>.json) or ``genetic`` / ``lazy-gp`` (``matex.hpo.GeneticSearch`` /
-``LazyBayesianSearch``, project TUNER, records in OUT.TUNER.<rank>.json); several
-run one after the other in the same job.
+``LazyBayesianSearch``, project TUNER, records in OUT.TUNER.<rank>.json) or ``faulty``
+(a RandomSearch whose trials raise on rank 1 of their group only: every third trial a
+group runs in ``build``, the next in a ``fit`` callback; their peers wait in a
+collective meanwhile); several run one after the other in the same job. With
+MATEX_TEST_SEARCH_AGAIN=N, a second ``search`` of the same tuner follows with
+max_trials N (records in OUT.again.<rank>.json).
 
 What the test checks is recorded on the side, per world rank, in OUT.<rank>.json:
 every fit this rank ran (hyperparameters, the size of the communicator it ran
@@ -85,7 +89,19 @@ class Record(keras.callbacks.Callback):
 current = {}
 
 
+faulty = {"on": False, "n": 0, "kinds": {}}   # this rank's trials counted in run_trial
+
+
+def fault_kind():
+    """What the trial this rank runs now does on rank 1 of its group (faulty tuner only)."""
+    if not faulty["on"]:
+        return None
+    return {1: "build", 2: "callback", 0: None}[faulty["n"] % 3]
+
+
 def build(hp):
+    if fault_kind() == "build" and matex.rank() == 1:
+        raise ValueError("boom in build on world rank %d" % world_rank)
     units = hp.Int("units", 4, 64, step=4)
     lr = hp.Float("lr", 1e-3, 1e-1, sampling="log")
     current["hp"] = {"units": units, "lr": lr}
@@ -101,11 +117,28 @@ x = rng.normal(size=(96, 4)).astype("float32")
 y = (x[:, 0] > 0).astype("int64") + (x[:, 1] > 0.5).astype("int64")
 
 
+class Faulty(keras.callbacks.Callback):
+    def on_epoch_end(self, epoch, logs=None):
+        if fault_kind() == "callback" and matex.rank() == 1:
+            raise ValueError("boom in callback on world rank %d" % world_rank)
+
+
+class FaultySearch(kt.RandomSearch):
+    def run_trial(self, trial, *args, **kwargs):
+        faulty["n"] += 1
+        faulty["kinds"][trial.trial_id] = fault_kind()
+        return super().run_trial(trial, *args, **kwargs)
+
+
 def make_tuner(name):
     common = dict(objective="val_accuracy", max_trials=max_trials, seed=3, directory=directory,
                   overwrite=overwrite)
+    faulty["on"] = name == "faulty"
     if name == "random":
         return kt.RandomSearch(build, project_name="p", **common)
+    if name == "faulty":
+        return FaultySearch(build, project_name=name, max_consecutive_failed_trials=None,
+                            **common)
     from matex import hpo
 
     if name == "genetic":
@@ -114,20 +147,31 @@ def make_tuner(name):
     return hpo.LazyBayesianSearch(build, num_initial_points=2, project_name=name, **common)
 
 
-for name in tuners:
+def search_and_record(tuner, name_part):
     fits.clear()
     writes.clear()
-    tuner = make_tuner(name)
     tuner.search(x, y, validation_split=0.25, epochs=2, batch_size=16, verbose=0,
-                 callbacks=[Record()])
+                 callbacks=[Record()] + ([Faulty()] if faulty["on"] else []))
+    faulty["on"] = False   # the best models are built again below
     best = tuner.get_best_hyperparameters(2)
     models = tuner.get_best_models(1)
     trials = tuner.oracle.get_best_trials(100)
     record = {"fits": fits, "best": [h.values for h in best], "best_digest": digest(models[0]),
               "trials": {t.trial_id: {"status": t.status, "hp": t.hyperparameters.values,
-                                      "score": t.score} for t in trials},
+                                      "score": t.score, "message": t.message}
+                         for t in trials},
               "writes": sorted(p for p in writes if os.path.abspath(p).startswith(directory)),
-              "size": matex.size()}
-    name_part = "" if name == "random" else name + "."
+              "size": matex.size(), "kinds": faulty["kinds"],
+              "all": {i: {"status": t.status, "message": t.message}
+                      for i, t in tuner.oracle.trials.items()}}
     with open("%s.%s%d.json" % (out, name_part, world_rank), "w") as f:
         json.dump(record, f)
+
+
+for name in tuners:
+    tuner = make_tuner(name)
+    search_and_record(tuner, "" if name == "random" else name + ".")
+    if os.environ.get("MATEX_TEST_SEARCH_AGAIN"):
+        # the same tuner searches again (after a rank was lost in the first search)
+        tuner.oracle.max_trials = int(os.environ["MATEX_TEST_SEARCH_AGAIN"])
+        search_and_record(tuner, "again.")

@@ -96,9 +96,10 @@ run("empty-space", lambda: hpo.minimize(branin_fn, kt.HyperParameters(), oracle=
 
 
 def failing_fn(hp, comm):
+    # rank 1 raises while rank 0 waits for it in the allreduce (released, not hung)
     if hp["x1"] > 2.5 and comm.Get_rank() == 1:
         raise ArithmeticError("boom in trial at x1=%.3f" % hp["x1"])
-    return branin_fn(hp, comm) if hp["x1"] <= 2.5 else branin(hp["x1"], hp["x2"])
+    return branin_fn(hp, comm)
 
 
 def failing():
@@ -139,6 +140,40 @@ def resume():
 
 
 run("resume", resume)
+
+
+def always_fails(hp, comm):
+    raise ArithmeticError("nothing works")
+
+
+def oracle_gives_up():
+    # Keras Tuner's oracle raises on the owner after 2 failures in a row (its lock stays
+    # held): the search ends with that error on every rank
+    oracle = kt.oracles.RandomSearchOracle(objective=kt.Objective("value", "min"),
+                                           max_trials=12, seed=0,
+                                           max_consecutive_failed_trials=2)
+    return hpo.minimize(always_fails, branin_space(), oracle=oracle, ranks_per_trial=1)
+
+
+run("oracle-gives-up", oracle_gives_up)
+
+
+class BrokenOracle(kt.oracles.RandomSearchOracle):
+    """Raises when asked for its 4th trial (inside Keras Tuner's synchronized create_trial)."""
+
+    def populate_space(self, trial_id):
+        if len(self.trials) >= 3:
+            raise LookupError("no more points in this oracle")
+        return super().populate_space(trial_id)
+
+
+def oracle_raises():
+    # the group leader that asks gets no trial: its peer must not wait in the broadcast
+    oracle = BrokenOracle(objective=kt.Objective("value", "min"), max_trials=12, seed=0)
+    return hpo.minimize(branin_fn, branin_space(), oracle=oracle, ranks_per_trial=2)
+
+
+run("oracle-raises", oracle_raises)
 record["world_rank"] = rank
 with open("%s.%d.json" % (out, rank), "w") as f:
     json.dump(record, f)
