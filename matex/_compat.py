@@ -20,6 +20,7 @@ TESTED_KERAS_TUNER = ((1, 4), (1, 4))   # keras-tuner 1.4.8 tested (matex.hpo)
 REQUIRED = (
     ("keras.src.trainers.trainer", "Trainer.compile"),
     ("keras.src.trainers.trainer", "Trainer.get_metrics_result"),
+    ("keras.src.trainers.trainer", "Trainer._symbolic_build"),
     ("keras.src.backend.tensorflow.trainer", "TensorFlowTrainer.fit"),
     ("keras.src.backend.tensorflow.trainer", "TensorFlowTrainer.evaluate"),
     ("keras.src.backend.tensorflow.trainer", "TensorFlowTrainer.predict"),
@@ -60,7 +61,7 @@ REQUIRED = (
 BACKUP_ATTRIBUTES = ("_weights_path", "_training_metadata_path", "_prev_weights_path",
                      "_prev_training_metadata_path", "_current_epoch", "_last_batch_seen")
 OPTIMIZER_ATTRIBUTES = ("_learning_rate", "_trainable_variables")
-MODEL_ATTRIBUTES = ("_jit_compile", "_initial_epoch")
+MODEL_ATTRIBUTES = ("_jit_compile", "_initial_epoch", "train_function")
 ORACLE_ATTRIBUTES = ("_retry_queue", "_run_times", "end_order", "ongoing_trials", "trials")
 EVALUATE_CACHED_KEYWORD = "_use_cached_eval_dataset"   # fit -> evaluate: reuse the val iterator
 
@@ -159,6 +160,17 @@ def file_utils():
 def flatten_layers(model):
     """Every layer inside ``model``, nested ones included."""
     return model._flatten_layers()
+
+
+def symbolic_build(model, data_batch):
+    """Create ``model``'s variables (and its metrics' and loss's) from ``data_batch``'s
+    shapes, eagerly, as Keras does before ``fit`` under a distribution strategy."""
+    model._symbolic_build(data_batch=data_batch)
+
+
+def forget_train_function(model):
+    """Make ``fit`` trace its train step anew (a fresh ``tf.function``)."""
+    model.train_function = None
 
 
 def set_initial_epoch(model, epoch):

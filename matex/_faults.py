@@ -16,7 +16,10 @@ Fields of one fault (faults are separated by ``;``):
   entering Keras ``evaluate``; ``step`` is the optimizer step count then),
   ``checkpoint`` (on rank 0 while it writes a checkpoint, after the data and
   before the rename; ``step`` is then the optimizer step at which the
-  checkpoint is written) or
+  checkpoint is written), ``fit`` (on entering Keras ``fit``, before its
+  set-up; ``step`` is the optimizer step count then), ``build`` (while the
+  first training step is traced, before the optimizer builds its variables
+  and broadcasts rank 0's state; ``step`` is the optimizer step count) or
   ``start`` (under ULFM, during MaTEx's start-up, after MPI is initialised and
   before the first collective; ``step`` must be 0).
 
@@ -29,7 +32,7 @@ import signal
 from matex import _config
 
 KINDS = ("kill", "exception", "hang")
-PLACES = ("allreduce", "begin", "evaluate", "checkpoint", "start")
+PLACES = ("allreduce", "begin", "evaluate", "checkpoint", "start", "fit", "build")
 
 
 class InjectedFault(RuntimeError):

@@ -52,6 +52,9 @@ class _DistributedMixin:
         if state.capture is not None:
             state.capture.append((grads, list(trainable_variables or [])))
             return None
+        if not state.synced and _faults.pending():
+            with tf.init_scope():
+                _faults.maybe_fail(int(self.iterations.numpy()), "build")
         if trainable_variables is not None:
             trainable_variables = list(trainable_variables)
             if not self.built:
@@ -105,7 +108,7 @@ class _DistributedMixin:
         state = self._matex
         everything = list(variables) + list(self.variables)
         with tf.init_scope():
-            ready = [v for v in everything if _has_value(v)]
+            ready = [v for v in everything if has_value(v)]
             _collectives.broadcast_variables(ready, 0)
         state.synced = True
         pending = [v for v in everything if not any(v is r for r in ready)]
@@ -164,13 +167,33 @@ class rows_of_step:
         return state.rows if state is not None and state.op == "average" else None
 
 
-def _has_value(variable):
+def mark_first_step_synced(optimizer):
+    """Record that ``optimizer``'s first-step broadcast is done, on this rank (local).
+
+    After a rank failure the recovery loop broadcasts every variable from one
+    survivor, which replaces the first-step broadcast; every survivor must
+    then skip it, whether or not its own had run: otherwise a survivor whose
+    trace was interrupted before it would broadcast alone on its next trace
+    while the others reduce gradients.
+    """
+    state = getattr(optimizer, "_matex", None)
+    if state is None:
+        return
+    state.synced = True
+    for flag in state.flags:
+        flag.assign(False)
+
+
+def has_value(variable):
     """Whether a (Keras or tf) variable can be read eagerly right now."""
     try:
         tensor = tf.convert_to_tensor(variable)
     except (tf.errors.FailedPreconditionError, ValueError, TypeError):
         return False
     return tensor.shape == variable.shape
+
+
+_has_value = has_value   # the name other modules use
 
 
 def _last_collectives(graph):

@@ -29,7 +29,7 @@ import time
 import numpy as np
 
 from matex import _resilience
-from matex.errors import RankFailure
+from matex.errors import MismatchError, RankFailure
 
 _COPY_BELOW_BYTES = 64 << 10
 
@@ -75,8 +75,9 @@ class VariablesState(State):
     step's update was not applied on this rank (the counter did not move).
     """
 
-    def __init__(self, variables, counter, undo=lambda: ()):
+    def __init__(self, variables, counter, undo=lambda: (), after_sync=lambda: None):
         self.variables, self.counter, self.undo = variables, counter, undo
+        self.after_sync = after_sync
         self._at, self._saved = None, []
 
     def begin_step(self):
@@ -90,12 +91,40 @@ class VariablesState(State):
         self._at = None
 
     def sync(self):
-        from matex import _collectives
+        """Take the lowest rank's values that holds every variable any survivor holds.
 
-        _collectives.broadcast_variables(list(self.variables()), 0)
+        A rank can fail before every survivor's variables hold a value: one
+        created while the first step was traced gets its value when that step
+        first runs, which some survivors may not have reached. Which variables
+        hold values is agreed first (one allgather); those held somewhere are
+        broadcast from the lowest rank holding them all, those held nowhere
+        are left to their initialisers. ``after_sync()`` then runs (e.g. to
+        mark the optimizer's first-step broadcast done: this one replaced it).
+        """
+        from matex import _collectives, _runtime
+        from matex._optimizer import has_value
+
+        variables = list(self.variables())
+        mine = [has_value(v) for v in variables]
+        everyone = _runtime.control().allgather(mine)
+        if len({len(m) for m in everyone}) != 1:
+            raise MismatchError(
+                "matex: cannot re-synchronise after a rank failure: the survivors hold "
+                "different numbers of model and optimizer variables (%s)" % ", ".join(
+                    "rank %d: %d" % (r, len(m)) for r, m in enumerate(everyone)))
+        held = [any(column) for column in zip(*everyone)]
+        root = next((r for r, m in enumerate(everyone) if m == held), None)
+        if root is None:
+            raise MismatchError(
+                "matex: cannot re-synchronise after a rank failure: no survivor holds a "
+                "value for every variable another survivor holds")
+        _collectives.broadcast_variables([v for v, h in zip(variables, held) if h], root)
+        self.after_sync()
 
     def arrays(self):
-        return [v.numpy() for v in self.variables()]
+        from matex._optimizer import has_value
+
+        return [v.numpy() for v in self.variables() if has_value(v)]
 
 
 def model_state(model, track_steps=True):
@@ -113,8 +142,13 @@ def model_state(model, track_steps=True):
         optimizer = getattr(model, "optimizer", None)
         return int(optimizer.iterations) if optimizer is not None else 0
 
+    def after_sync():
+        from matex import _optimizer
+
+        _optimizer.mark_first_step_synced(getattr(model, "optimizer", None))
+
     undo = (lambda: model.non_trainable_variables) if track_steps else (lambda: ())
-    return VariablesState(variables, counter, undo)
+    return VariablesState(variables, counter, undo, after_sync)
 
 
 def optimizer_states(optimizer, variables):

@@ -29,7 +29,7 @@ STEPS, EPOCHS, N = 10, 3, 300
 SHM_SEGMENTS = "/dev/shm/sm_segment.*"   # Open MPI's shared-memory transport files
 
 
-def _launch(tmp_path, nranks, faults=None, ft=True, extra=()):
+def _launch(tmp_path, nranks, faults=None, ft=True, extra=(), env_vars=None):
     out = str(tmp_path / "r")
     env = launch.launch_env()
     env["TF_CPP_MIN_LOG_LEVEL"] = "2"
@@ -37,6 +37,9 @@ def _launch(tmp_path, nranks, faults=None, ft=True, extra=()):
     if faults:
         env["MATEX_INJECT_FAULT"] = faults
         mpi_args = ["-x", "MATEX_INJECT_FAULT"] + mpi_args
+    for name, value in (env_vars or {}).items():
+        env[name] = value
+        mpi_args = ["-x", name] + mpi_args
     cmd = launch.mpiexec_command(nranks, [sys.executable, "-m", "matex", SCRIPT, out, str(N),
                                           "32", str(EPOCHS)] + list(extra), mpi_args=mpi_args)
     proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
@@ -122,6 +125,10 @@ def fault_free(tmp_path_factory):
     ("rank=3,step=29,kind=kill", [0, 1, 2]),                       # last step
     ("rank=2,step=10,kind=kill,at=begin", [0, 1, 3]),              # before the forward pass
     ("rank=1,step=0,kind=kill,at=start", [0, 2, 3]),               # during MaTEx's start-up
+    # rank 0, the root of fit's set-up broadcasts (the shuffling seed), on entering fit
+    ("rank=0,step=0,kind=kill,at=fit", [1, 2, 3]),
+    # while the first step is traced, before the optimizer's build and first broadcast
+    ("rank=1,step=0,kind=kill,at=build", [0, 2, 3]),
     ("rank=2,step=30,kind=kill,at=evaluate", [0, 1, 3]),           # in evaluate, after fit
     # in fit's validation pass, after the first epoch (Keras hands evaluate a CallbackList)
     ("rank=2,step=10,kind=kill,at=evaluate;validate", [0, 1, 3]),
@@ -129,6 +136,7 @@ def fault_free(tmp_path_factory):
     ("rank=3,step=10,kind=hang,at=evaluate;validate", [0, 1, 2]),
 ], ids=["kill-middle-mid", "kill-rank0-first", "exception-last-boundary", "hang-middle",
         "two-at-once", "down-to-one", "kill-last-step", "kill-at-begin", "kill-at-start",
+        "kill-rank0-entering-fit", "kill-while-first-step-traced",
         "kill-in-evaluate", "kill-in-validation", "exception-in-validation",
         "hang-in-validation"])
 def test_survivors_finish_with_nothing_lost_or_repeated(tmp_path, fault_free, faults,
@@ -153,6 +161,25 @@ def test_survivors_finish_with_nothing_lost_or_repeated(tmp_path, fault_free, fa
                 assert len(r["val_loss"]) == EPOCHS and all(np.isfinite(r["val_loss"])), \
                     (r["val_loss"], _tail(err))
     _check(_results(out), survivors, out, err, reference=fault_free)
+
+
+def test_checkpoints_under_ft_a_recovery_never_trains_committed_epochs_again(tmp_path,
+                                                                            fault_free):
+    # Epoch checkpoints (MATEX_CHECKPOINT_DIR) under --ft; rank 0 is killed while it
+    # writes the epoch-2 checkpoint (data written, not renamed). The survivors'
+    # state is newer than the epoch-1 checkpoint: re-running fit must not restore it
+    # (that trained epoch 2 twice, and load_weights gave the optimizer's state to
+    # rank 0 only: replicas diverged, exit 0).
+    proc, out = _launch(tmp_path, 4, "rank=0,step=20,kind=kill,at=checkpoint",
+                        env_vars={"MATEX_CHECKPOINT_DIR": str(tmp_path / "ckpt")})
+    stdout, err = _finish(proc)
+    assert proc.returncode == 0, _tail(err)
+    assert err.count("matex: injecting fault") == 1, _tail(err)
+    assert "resumed from the checkpoint" not in stdout, stdout
+    results = _results(out)
+    for r in results.values():
+        assert [(x["lost"], x["new_size"]) for x in r["recoveries"]] == [([0], 3)], _tail(err)
+    _check(results, [1, 2, 3], out, err, reference=fault_free)
 
 
 def test_kill_9_from_outside_at_a_random_moment(tmp_path, fault_free):

@@ -14,7 +14,7 @@ import os
 
 import keras
 
-from matex import _compat, _faults, _runtime
+from matex import _collectives, _compat, _faults, _runtime
 
 
 class AtomicBackupAndRestore(keras.callbacks.BackupAndRestore):
@@ -43,13 +43,34 @@ class AtomicBackupAndRestore(keras.callbacks.BackupAndRestore):
                   % (self.backup_dir, _compat.initial_epoch(self.model) + 1), flush=True)
 
 
+_SUPPRESS = "_matex_no_restore"
+
+
+def suppress_restore(model, suppressed):
+    """Make backup callbacks of ``model`` restore nothing (``suppressed``) or as usual.
+
+    ``fit`` sets it when it runs Keras's ``fit`` again after a recovery: the
+    decision must be the same on every rank (it derives it from state the
+    survivors just synchronised).
+    """
+    setattr(model, _SUPPRESS, bool(suppressed))
+
+
 def restore(callback):
     """Restore a ``BackupAndRestore``'s backup as rank 0 sees it, on every rank.
 
     Whether a backup exists, and its epoch, are read on rank 0 and broadcast;
-    the weights are read on rank 0 and broadcast (``load_weights``). Returns
-    whether weights were restored.
+    the weights are read on rank 0 and broadcast (``load_weights``), and so is
+    the optimizer's state, which the file holds too (step counter, moments):
+    every rank goes on from the same state. Returns whether weights were
+    restored.
+
+    Inside a ``fit`` that recovered from a lost rank after training moved on
+    (``suppress_restore``) nothing is restored: the survivors' state is newer
+    than any checkpoint, and restoring would train committed epochs again.
     """
+    if getattr(callback.model, _SUPPRESS, False):
+        return False
     files = _compat.file_utils()
     paths = _compat.backup_paths(callback)
     state = None
@@ -65,6 +86,10 @@ def restore(callback):
         if model.optimizer is not None and not model.optimizer.built:
             model.optimizer.build(model.trainable_variables)
         model.load_weights(paths["weights"])   # read on rank 0, broadcast
+        if model.optimizer is not None:
+            # rank 0 read the optimizer's state from the file; load_weights
+            # broadcasts the model's variables only
+            _collectives.broadcast_variables(list(model.optimizer.variables), 0)
     if epoch is not None:
         _compat.set_initial_epoch(model, epoch)
     return has_weights

@@ -12,7 +12,7 @@ import keras
 import tensorflow as tf
 
 from matex import _compat, _config, _faults, _recovery, _resilience, _runtime, _batch_slicing
-from matex._keras import inputs, metrics
+from matex._keras import checkpoint, inputs, metrics
 from matex._keras.calls import bind, call
 from matex._keras.metrics import AverageMovingStatistics
 from matex._keras.output import explicit, quiet, rank0_callbacks
@@ -30,6 +30,7 @@ class _StepBegin(keras.callbacks.Callback):
         super().__init__()
         self.states = states or []
         self.epoch, self.steps = 0, 0
+        self.ran = False   # whether a training step ran to its end on this rank
 
     def on_epoch_begin(self, epoch, logs=None):
         self.epoch, self.steps = epoch, 0
@@ -41,6 +42,7 @@ class _StepBegin(keras.callbacks.Callback):
 
     def on_train_batch_end(self, batch, logs=None):
         self.steps += 1
+        self.ran = True
 
 
 def _check_equal_steps(error, step_begin):
@@ -105,6 +107,53 @@ def _announce(size, ft):
         _announced = True
 
 
+def _iterations(model):
+    optimizer = getattr(model, "optimizer", None)
+    return int(optimizer.iterations) if optimizer is not None else 0
+
+
+class _SharedSeed:
+    """``fit``'s shuffling seed, agreed (rank 0's) at the start of every run of its body.
+
+    Agreed inside the recovery loop, so that losing a rank, rank 0 included,
+    while it is broadcast is recovered like any other failure. Each rank draws
+    once; a rank that already holds the agreed seed offers it again, so a redo
+    after training began keeps the permutation every survivor used.
+    """
+
+    def __init__(self):
+        self.value = None
+
+    def agree(self):
+        if self.value is None:
+            self.value = inputs.shared_seed()
+        else:
+            self.value = _runtime.control().bcast(self.value, root=0)
+        return self.value
+
+
+def _build_before_training(model, x, y, sample_weight):
+    """Create the model's and the optimizer's variables now, eagerly (under ULFM).
+
+    Keras creates them while tracing the first step otherwise, and a variable
+    created in a trace has no value until that step first runs: a rank lost
+    before then left the survivors holding different sets of values. Built
+    here, before the first collective, every variable holds its value on
+    every rank from the start, so recovery can broadcast them all.
+    """
+    optimizer = getattr(model, "optimizer", None)
+    if optimizer is None:
+        return
+    if isinstance(x, tf.data.Dataset):
+        _compat.symbolic_build(model, x.element_spec)   # model, metrics, loss, optimizer
+    elif _batch_slicing.is_array_input(x):
+        _compat.symbolic_build(model, tuple(
+            tf.nest.map_structure(lambda a: a[:1], part) if part is not None else None
+            for part in (x, y, sample_weight)))
+    elif not optimizer.built and all(layer.built for layer in _compat.flatten_layers(model)):
+        optimizer.build(model.trainable_variables)
+
+
 def fit(original):
     @functools.wraps(original)
     def fit(self, *args, scaling=None, **kwargs):
@@ -121,6 +170,7 @@ def fit(original):
             except Exception as exc:
                 _resilience.veto_failure(exc)   # e.g. a model-parallel grid's RankFailure
                 raise
+        _faults.maybe_fail(_iterations(self), "fit")
         from matex.callbacks import (BroadcastGlobalVariablesCallback,
                                      LearningRateWarmupCallback, check_learning_rate_settable)
 
@@ -139,7 +189,10 @@ def fit(original):
                 given + (None,) * (3 - len(given)), a["validation_split"])
             a["validation_split"] = 0.0
         shuffle = bool(a["shuffle"]) and inputs.shuffles_itself(x)
-        train = inputs.TrainInput(x, y, sw, batch, shuffle, inputs.shared_seed() if shuffle else 0)
+        seed = _SharedSeed() if shuffle else None
+        # the seed is agreed inside the recovery loop (rank 0 may be the one lost);
+        # the number of steps, which resume_point needs, does not depend on it
+        train = inputs.TrainInput(x, y, sw, batch, shuffle, 0)
         validation = a["validation_data"]
         vbatch = a["validation_batch_size"] or batch
         a["validation_batch_size"] = None
@@ -156,19 +209,34 @@ def fit(original):
             callbacks.append(AtomicBackupAndRestore(_config.checkpoint_dir()))
         observers = _observers(batch)
         ft = _resilience.mode() == "ulfm"
+        if ft:
+            _build_before_training(self, x, y, sw)
         state = _recovery.model_state(self, track_steps=ft)
         # the optimizer's own (Local SGD's rollback, delay=1's request in flight)
         states = [state] + _recovery.optimizer_states(self.optimizer, state.variables)
         step_begin = _StepBegin(states if ft else None)
         _announce(size, ft)
         verbose, epochs = a["verbose"], a["epochs"]
-        first_iteration = int(self.optimizer.iterations) if self.optimizer is not None else 0
+        first_iteration = _iterations(self)
         start_epoch = a["initial_epoch"]
         position = {"epoch": start_epoch, "step": 0}
         histories = []
         self._matex_weighted = True
 
+        attempts = []
+
         def body():
+            nonlocal train
+            if attempts and not step_begin.ran:
+                # A rank was lost before this rank's first step ran to its end: its
+                # trace may have been cut short, and TensorFlow refuses to create
+                # in a later trace the variables the cut one did not (Keras
+                # metrics'...): trace anew, locally (the trace has no collective
+                # left: recovery marked the first-step broadcast done).
+                _compat.forget_train_function(self)
+            attempts.append(1)
+            if seed is not None:
+                train = inputs.TrainInput(x, y, sw, batch, shuffle, seed.agree())
             while position["epoch"] < epochs:
                 epoch, step = position["epoch"], position["step"]
                 a["x"], a["y"], a["sample_weight"], a["batch_size"] = train.at(epoch, step)
@@ -185,6 +253,12 @@ def fit(original):
                 a["callbacks"] = rank0_callbacks(
                     [BroadcastGlobalVariablesCallback(0), step_begin, AverageMovingStatistics()]
                     + train.callbacks() + observers + callbacks)
+                # Training moved on since fit began (a recovery, or the rest of an
+                # epoch resumed mid-way): the state is newer than any checkpoint, so
+                # backup callbacks must not restore one (and Keras keeps the epoch a
+                # restore set, for ever: the position here decides).
+                checkpoint.suppress_restore(self, _iterations(self) != first_iteration)
+                _compat.set_initial_epoch(self, None)
                 try:
                     histories.append(call(original, bound))
                 except tf.errors.InvalidArgumentError as exc:
@@ -207,7 +281,10 @@ def fit(original):
                       "(recovered in %.3f s)" % (loss.lost, loss.new_size, position["epoch"] + 1,
                                                  position["step"], loss.seconds), flush=True)
 
-        _recovery.run(body, states, on_recovered=resume_point, callbacks=callbacks)
+        try:
+            _recovery.run(body, states, on_recovered=resume_point, callbacks=callbacks)
+        finally:
+            checkpoint.suppress_restore(self, False)
         return _merge_histories(histories) if histories else self.history
 
     return fit
