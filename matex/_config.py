@@ -7,9 +7,17 @@ Nothing here imports MPI or TensorFlow.
 
 import os
 
-# rank/size variables of the launchers MaTEx knows (Open MPI, PMI/Hydra, MVAPICH, PMIx, Slurm)
-_RANK_VARIABLES = ("OMPI_COMM_WORLD_RANK", "PMI_RANK", "PMIX_RANK", "SLURM_PROCID")
-_SIZE_VARIABLES = ("OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "MV2_COMM_WORLD_SIZE")
+# (rank variable, size variables) of each launcher MaTEx knows, in this order: Open MPI,
+# PMI (MPICH's Hydra, Intel MPI), MVAPICH2, PMIx, Slurm's srun. Rank and size are read from
+# the same launcher's pair; Slurm's only within an srun step (SLURM_STEP_ID set: a batch
+# script's SLURM_PROCID/SLURM_NTASKS describe the allocation, not this process).
+_LAUNCHERS = (
+    ("OMPI_COMM_WORLD_RANK", ("OMPI_COMM_WORLD_SIZE",)),
+    ("PMI_RANK", ("PMI_SIZE",)),
+    ("MV2_COMM_WORLD_RANK", ("MV2_COMM_WORLD_SIZE",)),
+    ("PMIX_RANK", ()),
+    ("SLURM_PROCID", ("SLURM_STEP_NUM_TASKS", "SLURM_NTASKS")),
+)
 
 
 def _get(name: str, default: str = "") -> str:
@@ -30,20 +38,52 @@ def _number(name: str, default: float, kind=float, minimum=None):
     return value
 
 
+def _mpi_world():
+    """(rank, size) in ``MPI_COMM_WORLD`` when MPI is running in this process, else None.
+
+    Imports nothing: only an MPI that mpi4py already initialised is asked.
+    """
+    import sys
+
+    mpi = sys.modules.get("mpi4py.MPI")
+    try:
+        if mpi is not None and mpi.Is_initialized() and not mpi.Is_finalized():
+            return mpi.COMM_WORLD.Get_rank(), mpi.COMM_WORLD.Get_size()
+    except Exception:  # noqa: BLE001 - identity must never fail
+        pass
+    return None
+
+
+def _launcher():
+    """The (rank, size or None) the launcher's environment gives, or None."""
+    for rank_var, size_vars in _LAUNCHERS:
+        if not _get(rank_var).isdigit():
+            continue
+        if rank_var == "SLURM_PROCID" and not _get("SLURM_STEP_ID"):
+            continue
+        size = next((int(_get(v)) for v in size_vars if _get(v).isdigit()), None)
+        return int(_get(rank_var)), size
+    return None
+
+
 def launched_rank() -> int:
-    """This process's rank as the launcher's environment says (0 when not launched by one)."""
-    for var in _RANK_VARIABLES:
-        if _get(var).isdigit():
-            return int(_get(var))
-    return 0
+    """This process's rank in ``MPI_COMM_WORLD``: MPI's answer once MPI runs, before that
+    the launcher's environment (``_LAUNCHERS``); 0 for a process no launcher started."""
+    world = _mpi_world()
+    if world is not None:
+        return world[0]
+    launched = _launcher()
+    return launched[0] if launched is not None else 0
 
 
 def launched_size():
-    """Number of ranks the launcher says it started, or None when unknown."""
-    for var in _SIZE_VARIABLES:
-        if _get(var).isdigit():
-            return int(_get(var))
-    return None
+    """Number of ranks in ``MPI_COMM_WORLD`` (MPI's answer once MPI runs, else the
+    launcher's environment), or None when unknown."""
+    world = _mpi_world()
+    if world is not None:
+        return world[1]
+    launched = _launcher()
+    return launched[1] if launched is not None else None
 
 
 def ft_requested() -> bool:
@@ -149,9 +189,12 @@ def stall_abort_s():
 def job_id() -> str:
     """The launcher's id of this job (PMIx namespace, Slurm job id), or "": tells the dumps of
     one run from those an earlier run left in the same directory."""
-    for var in ("PMIX_NAMESPACE", "OMPI_MCA_ess_base_jobid", "SLURM_JOB_ID"):
+    for var in ("PMIX_NAMESPACE", "OMPI_MCA_ess_base_jobid", "PMI_JOBID"):
         if _get(var):
             return _get(var)
+    if _get("SLURM_JOB_ID"):   # one job's srun steps are separate runs
+        step = _get("SLURM_STEP_ID")
+        return _get("SLURM_JOB_ID") + ("." + step if step else "")
     return ""
 
 

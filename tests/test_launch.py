@@ -4,6 +4,7 @@ Also the launcher package's layout and ``--ft``'s count of failed ranks (status
 directory, not stderr).
 """
 
+import json
 import os
 import select
 import signal
@@ -325,3 +326,49 @@ def test_matexrun_default_output_and_binding_arguments(tmp_path):
     assert "--bind-to none" not in line and "--bind-to core" in line
     # other hosts: no binding change
     assert "--bind-to" not in command("-H", "a:1,b:1")
+
+
+IDENTITY = textwrap.dedent("""
+    import json, sys
+    from matex import _config, _stall
+    watchdog = _stall.Watchdog(None, None, 60.0, None)   # what the stall inspector sees
+    print(json.dumps([_config.launched_rank(), _config.launched_size(), _config.job_id(),
+                      watchdog.rank, watchdog.size]))
+    if "--mpi" in sys.argv:
+        from mpi4py import MPI   # once MPI runs, its answer wins over the environment
+        print(json.dumps([_config.launched_rank(), _config.launched_size()]))
+""")
+
+
+@pytest.mark.parametrize("env,expected", [
+    ({"MV2_COMM_WORLD_RANK": "2", "MV2_COMM_WORLD_SIZE": "4"}, [2, 4, ""]),
+    ({"SLURM_PROCID": "3", "SLURM_NTASKS": "8", "SLURM_STEP_ID": "1", "SLURM_JOB_ID": "77"},
+     [3, 8, "77.1"]),
+    ({"SLURM_PROCID": "3", "SLURM_NTASKS": "8", "SLURM_STEP_NUM_TASKS": "4",
+      "SLURM_STEP_ID": "0", "SLURM_JOB_ID": "77"}, [3, 4, "77.0"]),
+    # a batch script's own Slurm variables describe the allocation, not this process
+    ({"SLURM_PROCID": "0", "SLURM_NTASKS": "8", "SLURM_JOB_ID": "77"}, [0, None, "77"]),
+    ({"PMI_RANK": "1", "PMI_SIZE": "2", "SLURM_PROCID": "0", "SLURM_NTASKS": "8",
+      "SLURM_STEP_ID": "0"}, [1, 2, ""]),
+], ids=["mvapich", "srun", "srun-step", "sbatch", "hydra-in-slurm"])
+def test_launched_identity_from_every_launcher(env, expected):
+    # MV2_COMM_WORLD_RANK and srun's SLURM_PROCID/SLURM_NTASKS were not read: the
+    # rank fell back to 0 and the stall inspector saw one rank
+    clean = {k: v for k, v in os.environ.items()
+             if not k.startswith(("OMPI_", "PMI", "MV2_", "SLURM_", "PRTE", "PMIX"))}
+    proc = subprocess.run([sys.executable, "-c", IDENTITY], env={**clean, **env},
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rank, size, job, watch_rank, watch_size = json.loads(proc.stdout.splitlines()[0])
+    assert [rank, size, job] == expected
+    assert (watch_rank, watch_size) == (expected[0], expected[1] or 1)
+
+
+def test_launched_identity_is_mpis_once_mpi_runs():
+    clean = {k: v for k, v in os.environ.items()
+             if not k.startswith(("OMPI_", "PMI", "MV2_", "SLURM_", "PRTE", "PMIX"))}
+    proc = subprocess.run([sys.executable, "-c", IDENTITY, "--mpi"],
+                          env={**clean, "PMI_RANK": "5", "PMI_SIZE": "9"},
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert [json.loads(line)[:2] for line in proc.stdout.splitlines()] == [[5, 9], [0, 1]]
