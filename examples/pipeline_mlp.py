@@ -40,12 +40,13 @@ def main():
     parser.add_argument("--microbatches", type=int, default=4)
     parser.add_argument("--schedule", default="1f1b", choices=["1f1b", "gpipe"])
     parser.add_argument("--epochs", type=int, default=3)
+    parser.add_argument("--rows", type=int, default=4096, help="training rows")
     args = parser.parse_args()
 
     grid = mp.grid(data=args.data, pipeline=matex.size() // args.data)
     stages = grid.pipeline_size
     rng = np.random.default_rng(0)
-    x = rng.normal(size=(4096, 64)).astype("float32")
+    x = rng.normal(size=(args.rows, 64)).astype("float32")
     y = (x[:, :10] @ rng.normal(size=(10, 10)) > 0).argmax(axis=1)
 
     pm = mp.PipelineModel(build(stages), microbatches=args.microbatches,
@@ -68,9 +69,13 @@ def main():
     predictions = pm.predict(x[:100], verbose=0)
     path = os.path.join(tempfile.gettempdir(), "pipeline_mlp.keras")
     pm.save(path)   # every stage gathered into one file (rank 0 writes)
+    # plain Keras, no MaTEx needed to load it. Every rank loads: under matexrun
+    # load_model is collective (rank 0 reads the file and shares it), so a load on
+    # rank 0 alone would wait for the others forever.
+    whole = keras.models.load_model(path)
+    same = np.allclose(whole.predict(x[:100], verbose=0), predictions, atol=1e-5)
+    same = all(grid.world_comm.allgather(same))
     if grid.world_rank == 0:
-        whole = keras.models.load_model(path)   # plain Keras, no MaTEx needed
-        same = np.allclose(whole.predict(x[:100], verbose=0), predictions, atol=1e-5)
         print("saved %s; reloaded model predicts the same: %s" % (path, same))
     grid.close()
 

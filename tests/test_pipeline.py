@@ -210,3 +210,30 @@ def test_every_custom_layer_loads_after_import_matex(tmp_path):
         np.testing.assert_allclose(got["boundary_predictions"], expected_b, rtol=1e-6)
         np.testing.assert_allclose(got["tensor_predictions"], expected_t, rtol=1e-5,
                                    atol=1e-6)
+
+
+def test_pipeline_example_exits_under_matexrun(tmp_path):
+    """examples/pipeline_mlp.py, its docstring's command (cheaper: 1 epoch of 512 rows),
+    runs to the end in bounded time and reloads what it saved. Before the fix rank 0
+    alone called keras.models.load_model, which is collective under matexrun: the run
+    trained, then never exited."""
+    import signal
+    import subprocess
+
+    matexrun = os.path.join(os.path.dirname(sys.executable), "matexrun")
+    cmd = [matexrun, "-n", "4", os.path.join(ROOT, "examples", "pipeline_mlp.py"),
+           "--data", "2", "--epochs", "1", "--rows", "512"]
+    env = dict(os.environ, TMPDIR=str(tmp_path), TF_CPP_MIN_LOG_LEVEL="2")
+    proc = subprocess.Popen(cmd, env=env, cwd=ROOT, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        out, err = proc.communicate(timeout=240)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)   # matexrun, mpiexec and every rank
+        out, err = proc.communicate()
+        raise AssertionError("the example did not exit in 240 s:\n%s\n%s"
+                             % (out[-2000:], err[-3000:]))
+    assert proc.returncode == 0, err[-3000:]
+    assert "2 stage(s) x 2 replica(s)" in out
+    assert "reloaded model predicts the same: True" in out
+    assert (tmp_path / "pipeline_mlp.keras").exists()
