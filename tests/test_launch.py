@@ -188,7 +188,7 @@ def test_matexrun_ft_counts_failed_ranks_whatever_they_print(tmp_path, failing, 
         raise AssertionError("matexrun --ft timed out\n" + err[-3000:])
     assert "boom" not in err and "failed; the others continue" not in err, err[-3000:]
     assert proc.returncode == code, err[-3000:]
-    assert ("every rank failed (2 of 2); the job failed" in err) == (code == 1), err[-3000:]
+    assert ("matexrun: every rank failed (2 of 2)" in err) == (code == 1), err[-3000:]
     assert "status dir %s%smatexrun-status-" % (status, os.sep) in out, out
     assert list(status.iterdir()) == []                             # cleaned up
 
@@ -236,7 +236,7 @@ def test_matexrun_ft_exit_status_is_the_survivors_verdict(tmp_path, mode, code):
     script.write_text(KILL_SCRIPT)
     rc, out, err = _matexrun_ft(tmp_path, ["-n", "3", str(script), mode, "kill0"])
     assert rc == code, err[-3000:]
-    expected = {"all": "matexrun: no rank finished its script: every rank failed (3 of 3); "
+    expected = {"all": "matexrun: every rank failed (3 of 3): no rank finished its script; "
                        "the job failed",
                 "exit3": "matexrun: rank(s) 1 finished with exit status 3; the job failed",
                 "ok": "matexrun: rank(s) 0 failed; the 2 other(s) finished cleanly"}[mode]

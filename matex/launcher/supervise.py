@@ -62,7 +62,7 @@ def job_exit_status(status, nranks: int, mpiexec_code: int) -> tuple[int, str | 
     if not status.exited:
         if mpiexec_code and not status.started:
             return mpiexec_code, None
-        return 1, ("matexrun: no rank finished its script: every rank failed (%d of %d); "
+        return 1, ("matexrun: every rank failed (%d of %d): no rank finished its script; "
                    "the job failed" % (nranks, nranks))
     bad = {rank: code for rank, code in sorted(status.exited.items()) if code}
     if bad:
