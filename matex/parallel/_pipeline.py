@@ -31,6 +31,7 @@ import keras
 import tensorflow as tf
 
 from matex import _batch_slicing, _collectives, _compat, _fusion, _runtime
+from matex._everywhere import RemoteError, on_every_rank
 from matex.parallel import _p2p, _schedule, _stages
 from matex.parallel._stages import StageBoundary
 
@@ -71,21 +72,10 @@ class _Layout:
         return self.pipeline_rank == self.pipeline_size - 1
 
 
-def _agree(control, function):
-    """``function()`` on every rank; if it raised on any rank, raise on every rank."""
-    error = None
-    try:
-        value = function()
-    except (ValueError, TypeError, NotImplementedError) as exc:
-        error = exc
-    messages = control.allgather(None if error is None else "%s: %s"
-                                 % (type(error).__name__, error))
-    if error is not None:
-        raise error
-    failed = [(r, m) for r, m in enumerate(messages) if m is not None]
-    if failed:
-        raise ValueError("matex.parallel: rank %d failed: %s" % failed[0])
-    return value
+def _agreed(control, function):
+    """``function()`` on every rank of ``control``; an error on any rank is a ValueError
+    on every rank, naming the lowest failing rank and its error (``on_every_rank``)."""
+    return on_every_rank(control, function, error_type=ValueError)
 
 
 def _nbytes(variables):
@@ -183,7 +173,7 @@ class PipelineModel(keras.Model):
         object.__setattr__(self, "_layout", layout)
         object.__setattr__(self, "_full", model)   # structure only (not tracked)
 
-        def prepare():
+        def check():
             if not isinstance(microbatches, (int, np.integer)) or isinstance(microbatches, bool) \
                     or microbatches < 1:
                 raise ValueError("matex.parallel: microbatches must be a positive integer, "
@@ -191,14 +181,17 @@ class PipelineModel(keras.Model):
             if schedule not in _schedule.SCHEDULES:
                 raise ValueError("matex.parallel: schedule must be one of %s, not %r"
                                  % (", ".join(_schedule.SCHEDULES), schedule))
+
+        def prepare():
+            check()
             return _stages.plan(model, stages, layout.pipeline_size, agree=None)
 
         if isinstance(stages, (int, np.integer)) and not isinstance(stages, bool):
             # balancing measures time: rank 0 decides, everyone follows
+            _agreed(layout.control, check)
             plan = _stages.plan(model, stages, layout.pipeline_size, agree=layout.control)
-            _agree(layout.control, lambda: None)
         else:
-            plan = _agree(layout.control, prepare)
+            plan = _agreed(layout.control, prepare)
         self.microbatches = int(microbatches)
         self.schedule = schedule
         self.plan = plan
@@ -630,7 +623,7 @@ class PipelineModel(keras.Model):
 
     def fit(self, x=None, y=None, batch_size=None, epochs=1, verbose="auto", **kwargs):
         self._require_built()
-        _agree(self._layout.control, lambda: self._check_array_batches(x, batch_size, "fit"))
+        _agreed(self._layout.control, lambda: self._check_array_batches(x, batch_size, "fit"))
         self._sync_replicas()
         x, y, batch_size, kwargs = self._shuffled_in_one_order(x, y, batch_size, kwargs)
         return self._refusing_recovery(lambda: super(PipelineModel, self).fit(
@@ -638,7 +631,7 @@ class PipelineModel(keras.Model):
 
     def evaluate(self, x=None, y=None, batch_size=None, verbose="auto", **kwargs):
         self._require_built()
-        _agree(self._layout.control,
+        _agreed(self._layout.control,
                lambda: self._check_array_batches(x, batch_size, "evaluate"))
         self._sync_replicas()
         return self._refusing_recovery(lambda: super(PipelineModel, self).evaluate(
@@ -663,42 +656,53 @@ class PipelineModel(keras.Model):
         tensor-parallel layers (``ColumnParallelDense``, ``RowParallelDense``,
         ``ParallelConv2D``) the ordinary ``Dense`` / ``Conv2D`` they split, their
         shards concatenated over the tensor group, so the result is plain Keras.
-        Data replica 0 provides the weights (the replicas are equal).
+        Data replica 0 provides the weights (the replicas are equal). An error on
+        any rank is a ValueError on every rank, naming the failing rank.
         """
         from matex.parallel import _tensor
 
         self._require_built()
         L = self._layout
-        mine, error = {}, None
-        try:
-            if L.data_rank == 0:
-                for name in self.plan.stage_layers[L.pipeline_rank]:
-                    layer = self._full.get_layer(name)
-                    if isinstance(layer, _tensor._TensorParallel):
-                        if L.grid is None:
-                            raise ValueError(
-                                "matex.parallel: layer %r is tensor-parallel but this pipeline "
-                                "has no grid; pass grid= (the grid its layers use)" % name)
-                        # the whole tensor group takes part; its rank 0 keeps the result
-                        got = _tensor.gathered_layer(layer, L.grid.tensor_comm,
-                                                     keep=L.tensor_rank == 0)
-                        if got is not None:
-                            mine[name] = got[2]
-                    elif L.tensor_rank == 0:
-                        mine[name] = [np.asarray(v) for v in layer.weights]
-        except (ValueError, TypeError) as exc:
-            error = "rank %d: %s: %s" % (L.world_rank, type(exc).__name__, exc)
-        pieces = L.control.gather((mine, error), root=root)
-        if L.world_rank == root:
-            error = next((e for _, e in pieces if e is not None), None)
-        error = L.control.bcast(error, root=root)   # every rank raises the same error
-        if error is not None:
-            raise ValueError("matex.parallel: gathering the pipeline failed on %s" % error)
-        if L.world_rank != root:
-            return None
-        weights = {}
-        for piece, _ in pieces:
-            weights.update(piece)
+
+        def collect():
+            mine = {}
+            if L.data_rank != 0:
+                return mine
+            for name in self.plan.stage_layers[L.pipeline_rank]:
+                layer = self._full.get_layer(name)
+                if isinstance(layer, _tensor._TensorParallel):
+                    if L.grid is None:
+                        raise ValueError(
+                            "matex.parallel: layer %r is tensor-parallel but this pipeline "
+                            "has no grid; pass grid= (the grid its layers use)" % name)
+                    # the whole tensor group takes part; its rank 0 keeps the result
+                    got = _tensor.gathered_layer(layer, L.grid.tensor_comm,
+                                                 keep=L.tensor_rank == 0)
+                    if got is not None:
+                        mine[name] = got[2]
+                elif L.tensor_rank == 0:
+                    mine[name] = [np.asarray(v) for v in layer.weights]
+            return mine
+
+        # every rank raises the same error (ValueError) if collecting failed anywhere
+        mine = on_every_rank(L.control, collect, error_type=ValueError,
+                             what="matex.parallel: gathering the pipeline")
+        pieces = L.control.gather(mine, root=root)
+
+        def assemble():
+            if L.world_rank != root:
+                return None
+            weights = {}
+            for piece in pieces:
+                weights.update(piece)
+            return self._assembled(weights)
+
+        return on_every_rank(L.control, assemble, error_type=ValueError,
+                             what="matex.parallel: gathering the pipeline")
+
+    def _assembled(self, weights):
+        """The whole model as plain Keras, with ``weights`` (layer name -> arrays)."""
+        from matex.parallel import _tensor
 
         def clone(layer):
             if isinstance(layer, StageBoundary):
@@ -795,9 +799,9 @@ class PipelineModel(keras.Model):
                         "generation": generation}
                 replace(os.path.join(directory, "meta.json"), lambda f: json.dump(meta, f), "w")
 
-        _agree(L.control, written(store_stage))
+        _agreed(L.control, written(store_stage))
         # last, once every stage's file is in place: a meta.json never names missing stages
-        _agree(L.control, written(store_meta))
+        _agreed(L.control, written(store_meta))
         if L.data_rank == 0:
             # the previous generation is no longer named; a file left behind is harmless
             try:
@@ -856,25 +860,23 @@ class PipelineModel(keras.Model):
             for v, value in pairs:
                 v.assign(value)
 
-        _agree(L.control, read)
+        _agreed(L.control, read)
         self._synced = True   # every replica read the same values
 
     def save(self, filepath, overwrite=True, **kwargs):
         """Write the whole model (every stage) as one plain Keras file; rank 0 writes.
 
         Collective. Load it anywhere with ``keras.models.load_model`` (no MaTEx
-        needed). The optimizer state is not saved.
+        needed). The optimizer state is not saved. Raises on every rank if gathering
+        failed (ValueError) or writing did (a ``RuntimeError``: ``MatexError``,
+        naming rank 0 and its error).
         """
-        L = self._layout
-        whole = None
-        error = None
-        try:
-            whole = self.gather_model(0)
+        whole = self.gather_model(0)   # collective; an error is raised on every rank
+
+        def write():
             if whole is not None:
                 keras.Model.save(whole, filepath, overwrite=overwrite, **kwargs)
-        except Exception as exc:  # noqa: BLE001 - reported on every rank below
-            error = "%s: %s" % (type(exc).__name__, exc)
-        error = L.control.bcast(error, root=0)
-        if error is not None:
-            raise RuntimeError("matex.parallel: saving %s failed on rank 0: %s"
-                               % (filepath, error))
+
+        # rank 0 writes; a failure there (a bad path, a full disk) is raised on every rank
+        on_every_rank(self._layout.control, write, error_type=RemoteError,
+                      what="matex.parallel: saving %s" % (filepath,))

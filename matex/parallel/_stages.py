@@ -27,6 +27,7 @@ import keras
 import numpy as np
 
 from matex import _compat
+from matex._everywhere import on_every_rank
 
 
 @keras.saving.register_keras_serializable(package="matex")
@@ -303,7 +304,8 @@ def plan(model, stages, pipeline_size, measure=layer_costs, agree=None):
 
 
 def _plan(model, stages, pipeline_size, measure=layer_costs, agree=None):
-    """The stage plan for ``model``; ``agree(names)`` makes every rank use rank 0's choice.
+    """The stage plan for ``model``; with ``agree`` (a communicator) every rank uses its
+    rank 0's balanced choice (collective), an error there a ValueError everywhere.
 
     Args:
       stages: None (use the model's ``StageBoundary`` layers), a list of layer
@@ -328,17 +330,16 @@ def _plan(model, stages, pipeline_size, measure=layer_costs, agree=None):
                              "must be equal" % (stages, pipeline_size))
         if stages < 1:
             raise ValueError("matex.parallel: stages must be >= 1, not %d" % stages)
-        names = None
-        error = None
-        try:
+        def choose():
             if agree is None or agree.Get_rank() == 0:
-                names = _plan_balanced(model, int(stages), measure).starts[1:]
-        except ValueError as exc:
-            error = str(exc)
-        if agree is not None:
-            names, error = agree.bcast((names, error))
-        if error is not None:
-            raise ValueError(error)
+                return _plan_balanced(model, int(stages), measure).starts[1:]
+            return None
+
+        if agree is None:
+            names = choose()
+        else:
+            # rank 0 measures and chooses; any error there is raised on every rank
+            names = agree.bcast(on_every_rank(agree, choose, error_type=ValueError), root=0)
         return _plan_from_cuts(model, names, pipeline_size)
     if isinstance(stages, (list, tuple)) and all(isinstance(s, str) for s in stages):
         return _plan_from_cuts(model, stages, pipeline_size)

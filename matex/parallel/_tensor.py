@@ -30,6 +30,7 @@ import keras
 import tensorflow as tf
 
 from matex import _compat
+from matex._everywhere import RemoteError, on_every_rank
 
 # The layer classes are registered with Keras (package "matex") when this module is
 # imported, which ``import matex`` arranges as soon as Keras is loaded
@@ -451,8 +452,9 @@ def gather_model(model, grid=None, root: int = 0):
                          "pass grid=")
     world = grid.world_comm
     keep = world.Get_rank() == root
-    gathered, error = {}, None
-    try:
+
+    def collect():
+        gathered = {}
         layers = [layer for layer in model.layers if isinstance(layer, _TensorParallel)]
         nested = [layer.name for layer in _compat.flatten_layers(model)
                   if isinstance(layer, _TensorParallel) and layer not in layers]
@@ -463,14 +465,10 @@ def gather_model(model, grid=None, root: int = 0):
             got = gathered_layer(layer, grid.tensor_comm, keep=keep)
             if got is not None:
                 gathered[id(layer)] = got
-    except (ValueError, TypeError) as exc:
-        error = "rank %d: %s: %s" % (world.Get_rank(), type(exc).__name__, exc)
-    errors = world.allgather(error)
-    failed = next((e for e in errors if e is not None), None)
-    if failed is not None:
-        raise ValueError("matex.parallel: gathering %s failed on %s" % (model.name, failed))
-    if not keep:
-        return None
+        return gathered
+
+    what = "matex.parallel: gathering %s" % model.name
+    gathered = on_every_rank(world, collect, error_type=ValueError, what=what)
 
     def clone(layer):
         if id(layer) in gathered:
@@ -478,15 +476,22 @@ def gather_model(model, grid=None, root: int = 0):
             return cls.from_config(config)
         return layer.__class__.from_config(layer.get_config())
 
-    whole = keras.models.clone_model(model, clone_function=clone)
-    by_name = {layer.name: layer for layer in model.layers}
-    for layer in whole.layers:
-        source = by_name.get(layer.name)
-        if source is None or not layer.weights:
-            continue
-        got = gathered.get(id(source))
-        layer.set_weights(got[2] if got is not None else [np.asarray(w) for w in source.weights])
-    return whole
+    def assemble():
+        if not keep:
+            return None
+        whole = keras.models.clone_model(model, clone_function=clone)
+        by_name = {layer.name: layer for layer in model.layers}
+        for layer in whole.layers:
+            source = by_name.get(layer.name)
+            if source is None or not layer.weights:
+                continue
+            got = gathered.get(id(source))
+            layer.set_weights(got[2] if got is not None
+                              else [np.asarray(w) for w in source.weights])
+        return whole
+
+    # root builds the copy; an error there is raised on every rank too
+    return on_every_rank(world, assemble, error_type=ValueError, what=what)
 
 
 def save_model(model, filepath, grid=None, root: int = 0, overwrite: bool = True) -> None:
@@ -494,19 +499,17 @@ def save_model(model, filepath, grid=None, root: int = 0, overwrite: bool = True
 
     Collective (see ``gather_model``). The file loads with
     ``keras.models.load_model`` in one process, without MaTEx. The optimizer
-    state is not saved. Raises ``RuntimeError`` on every rank if writing failed.
+    state is not saved. Raises ``RuntimeError`` (a ``MatexError`` naming the root and
+    its error) on every rank if writing failed.
     """
     from matex.parallel import _grid
 
     whole = gather_model(model, grid, root)
-    error = None
-    if whole is not None:
-        try:
-            whole.save(filepath, overwrite=overwrite)
-        except Exception as exc:  # noqa: BLE001 - reported on every rank below
-            error = "%s: %s" % (type(exc).__name__, exc)
     grid = grid if grid is not None else _grid.current()
-    error = grid.world_comm.bcast(error, root=root)
-    if error is not None:
-        raise RuntimeError("matex.parallel: saving %s failed on rank %d: %s"
-                           % (filepath, root, error))
+
+    def write():
+        if whole is not None:
+            whole.save(filepath, overwrite=overwrite)
+
+    on_every_rank(grid.world_comm, write, error_type=RemoteError,
+                  what="matex.parallel: saving %s" % (filepath,))

@@ -39,6 +39,7 @@ import numpy as np
 import tensorflow as tf
 
 from matex import _runtime
+from matex._everywhere import on_every_rank
 from matex.science import _data, _directions, _objective
 from matex.science._trajectory import load_trajectory
 
@@ -306,7 +307,9 @@ def loss_surface(model, data, directions="random", resolution=(51, 51), span=1.0
       span: s (both axes in [-s, s]) or ``((x0, x1), (y0, y1))``.
       normalization: "filter" (Li et al. 2018, see ``_directions``) or None;
         applies to random and given directions.
-      path: HDF5 file written as points finish; rerunning resumes it.
+      path: HDF5 file written as points finish; rerunning resumes it. One that
+        cannot be opened or created, or holds another surface, is a ValueError on
+        every rank.
       ignore: "biasbn" (1-D weights get zero directions) or None (their own values).
       trajectory: a ``TrajectoryRecorder``, its file or a ``(records, parameters)``
         array; needed for "pca", and stored projected on the directions (plots).
@@ -348,16 +351,13 @@ def loss_surface(model, data, directions="random", resolution=(51, 51), span=1.0
     # group g holds world ranks g*k .. g*k+k-1 (matex.hpo._groups); bad data fails here, early
     share = _data.Share(data, world.Get_rank() % k, k, batch_size, whole_job=(k == size))
 
-    # rank 0 opens (or resumes) the file; every rank gets the same verdict
-    store, problem = None, None
-    if world.Get_rank() == 0:
-        try:
-            store = _Store(path, x_axis, y_axis, d1, d2, settings, coords)
-        except ValueError as exc:   # raised on every rank below
-            problem = str(exc)
-    problem = _runtime.control().bcast(problem, root=0)
-    if problem is not None:
-        raise ValueError(problem)
+    # rank 0 opens (or resumes) the file; any error there (another surface's file, a
+    # path that cannot be created) is a ValueError on every rank
+    store = on_every_rank(
+        _runtime.control(),
+        lambda: _Store(path, x_axis, y_axis, d1, d2, settings, coords)
+        if world.Get_rank() == 0 else None,
+        error_type=ValueError, what="matex.science: loss_surface: %s" % (path,))
 
     groups = Groups(k, world)
     group = world.Split(groups.index, groups.world_rank)

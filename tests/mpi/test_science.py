@@ -220,6 +220,11 @@ def test_bad_surface_input_raises_on_every_rank():
     if matex.size() > 1:
         with pytest.raises(ValueError, match="divides"):
             science.loss_surface(model, (X, Y), ranks_per_point=matex.size() + 1, verbose=0)
+    # rank 0 cannot create the file: one ValueError on every rank (before, rank 0 raised
+    # a NotADirectoryError and the other ranks waited for its verdict forever)
+    with pytest.raises(ValueError, match=r"/dev/null/surface.h5: rank 0: NotADirectoryError"):
+        science.loss_surface(model, (X, Y), resolution=(2, 2), path="/dev/null/surface.h5",
+                             verbose=0)
 
 
 # ---- Hessians -------------------------------------------------------------------
