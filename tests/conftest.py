@@ -2,6 +2,7 @@
 
 * ``mpi``: launches real ``mpiexec`` jobs (modules that use ``mpitools``);
 * ``ulfm``: fault tolerance under ``mpiexec --with-ft ulfm``;
+* ``chaos``: random kills under ULFM (``test_chaos``; ``MATEX_CHAOS_RUNS`` sets how many);
 * ``netns``: several "hosts" made of network namespaces (root, ``ip netns``);
 * ``sysmpi``: builds and runs against the system's own MPI;
 * ``unit``: everything else (one process, seconds).
@@ -11,7 +12,7 @@ A test gets one tier, the most specific that applies.
 
 import pytest
 
-TIERS = ("unit", "mpi", "ulfm", "netns", "sysmpi")
+TIERS = ("unit", "mpi", "ulfm", "chaos", "netns", "sysmpi")
 _ULFM_MODULES = {"test_fault_tolerance", "test_hpo_fault_tolerance"}
 
 
@@ -19,6 +20,7 @@ def pytest_configure(config):
     for tier, what in (("unit", "one process, no mpiexec"),
                        ("mpi", "real mpiexec jobs"),
                        ("ulfm", "fault tolerance under mpiexec --with-ft ulfm"),
+                       ("chaos", "random kills under ULFM (MATEX_CHAOS_RUNS runs)"),
                        ("netns", "hosts made of network namespaces"),
                        ("sysmpi", "the system's own MPI")):
         config.addinivalue_line("markers", "%s: %s" % (tier, what))
@@ -32,7 +34,9 @@ def _tier(item):
         return "netns"
     module = getattr(item, "module", None)
     name = getattr(module, "__name__", "").rsplit(".", 1)[-1]
-    if name in _ULFM_MODULES or getattr(module, "TIER", None) == "ulfm":
+    if getattr(module, "TIER", None) in ("ulfm", "chaos"):
+        return module.TIER
+    if name in _ULFM_MODULES:
         return "ulfm"
     if module is not None and "mpitools" in vars(module):
         return "mpi"
