@@ -39,6 +39,9 @@ REQUIRED = (
     ("keras.src.callbacks.backup_and_restore", "BackupAndRestore._save_model"),
     ("keras.src.backend.tensorflow.nn", "_compute_moments_sync"),
     ("keras.src.backend.common.global_state", "get_global_attribute"),
+    ("keras.src.backend.common.variables", "Variable.__int__"),
+    ("keras.src.backend.common.variables", "Variable.__float__"),
+    ("tensorflow.python.distribute.distribute_lib", "_get_default_strategy"),
     # keras-tuner (matex.hpo): the tuner's search loop, the oracle's bookkeeping, its JSON writer
     ("keras_tuner.src.engine.base_tuner", "BaseTuner.__init__"),
     ("keras_tuner.src.engine.base_tuner", "BaseTuner.search"),
@@ -62,6 +65,9 @@ BACKUP_ATTRIBUTES = ("_weights_path", "_training_metadata_path", "_prev_weights_
                      "_prev_training_metadata_path", "_current_epoch", "_last_batch_seen")
 OPTIMIZER_ATTRIBUTES = ("_learning_rate", "_trainable_variables")
 MODEL_ATTRIBUTES = ("_jit_compile", "_initial_epoch", "train_function")
+# the tf.distribute strategy a model / optimizer was made under (matex._keras.strategies)
+OPTIMIZER_ATTRIBUTES += ("_distribution_strategy",)
+MODEL_ATTRIBUTES += ("_distribute_strategy",)
 ORACLE_ATTRIBUTES = ("_retry_queue", "_run_times", "end_order", "ongoing_trials", "trials")
 EVALUATE_CACHED_KEYWORD = "_use_cached_eval_dataset"   # fit -> evaluate: reuse the val iterator
 
@@ -120,6 +126,11 @@ def trainer_class():
 def tf_trainer_class():
     """Keras's TensorFlow ``Trainer`` (fit, evaluate, predict, train_step)."""
     return _resolve("keras.src.backend.tensorflow.trainer", "TensorFlowTrainer")
+
+
+def keras_variable_class():
+    """Keras's backend-independent ``Variable`` (its ``__int__``/``__float__``)."""
+    return _resolve("keras.src.backend.common.variables", "Variable")
 
 
 def base_optimizer_class():
@@ -227,6 +238,21 @@ def optimizer_trainable_variables(optimizer):
 
 def jit_compile(model):
     return model._jit_compile
+
+
+def _non_default(strategy):
+    default = _resolve("tensorflow.python.distribute.distribute_lib", "_get_default_strategy")()
+    return None if strategy is None or strategy is default else strategy
+
+
+def model_strategy(model):
+    """The ``tf.distribute`` strategy whose scope built ``model``; None for none (the default)."""
+    return _non_default(getattr(model, "_distribute_strategy", None))
+
+
+def optimizer_strategy(optimizer):
+    """The ``tf.distribute`` strategy in scope when ``optimizer`` was made; None for none."""
+    return _non_default(getattr(optimizer, "_distribution_strategy", None))
 
 
 def set_jit_compile(model, value):

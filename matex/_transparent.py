@@ -25,10 +25,22 @@ weights anyway, and ``fit`` takes rank 0's dropout generator states too
 every rank; the seed a layer draws from one inside a step is made specific to
 the rank (``matex._keras.randomness``), so masks and noise differ across the
 global batch as in one process while the states stay equal.
+
+TF_CONFIG
+---------
+At the same moment (several ranks only) a ``TF_CONFIG`` naming a cluster of
+more than one task is removed from the environment, and rank 0 says so.
+Every rank inherits the same one: ``MultiWorkerMirroredStrategy()`` would
+have each rank claim the same task and wait, at construction, for gRPC
+peers that never come. Under MaTEx the MPI ranks are the workers: without
+it each rank is a single worker and MaTEx averages across them
+(``matex._keras.strategies``).
 """
 
 import importlib.abc
 import importlib.util
+import json
+import os
 import random
 import sys
 
@@ -126,7 +138,25 @@ def seed_script_rngs():
     random.seed(_seed)
     np.random.seed(_seed)
     after_import("tensorflow", _seed_tensorflow)
+    _drop_tf_config(comm.Get_rank(), comm.Get_size())
     return _seed
+
+
+def _drop_tf_config(rank, size):
+    """Remove a ``TF_CONFIG`` naming a cluster (see the module's docstring); tasks dropped."""
+    try:
+        cluster = json.loads(os.environ.get("TF_CONFIG") or "{}").get("cluster") or {}
+        tasks = sum(len(addresses) for addresses in cluster.values())
+    except (ValueError, AttributeError, TypeError):
+        return 0   # not TF's format either: TensorFlow says so if a strategy reads it
+    if tasks <= 1:
+        return 0
+    del os.environ["TF_CONFIG"]
+    if rank == 0:
+        print("matex: ignoring TF_CONFIG (a cluster of %d tasks): the %d MPI ranks are the "
+              "workers, each one a single-worker MultiWorkerMirroredStrategy" % (tasks, size),
+              flush=True)
+    return tasks
 
 
 def leave_script_rngs_alone():

@@ -4,7 +4,7 @@ import threading
 
 from matex import _compat, _runtime
 from matex._keras import (batchnorm, checkpoint, fit, inference, metrics, optimizers, output,
-                          randomness)
+                          randomness, strategies)
 from matex._keras.calls import patch
 
 _lock = threading.Lock()
@@ -35,6 +35,9 @@ def install():
         patch(tf_trainer, "predict", inference.predict)
         patch(tf_trainer, "train_step", optimizers.train_step_wrapper)
         patch(_compat.base_optimizer_class(), "apply", optimizers.apply_wrapper)
+        variable = _compat.keras_variable_class()
+        patch(variable, "__int__", strategies.scalar_wrapper(int))   # MirroredVariable values
+        patch(variable, "__float__", strategies.scalar_wrapper(float))
         patch(keras.Model, "save_weights", output.rank0_write)
         patch(keras.Model, "load_weights", output.load_weights)
         backup = keras.callbacks.BackupAndRestore

@@ -3,7 +3,7 @@
 import functools
 
 from matex import _optimizer
-from matex._keras import batchnorm
+from matex._keras import batchnorm, strategies
 from matex._keras.calls import bind
 
 
@@ -18,6 +18,8 @@ def compile_wrapper(original):
         strategy = getattr(getattr(given, "_matex", None), "strategy", None)
         self._matex_explicit = (_optimizer.is_distributed(given)
                                 and not getattr(strategy, "leaves_data_to_fit", False))
+        # a tf.distribute strategy's scope: one replica per rank, or one error on every rank
+        strategies.check_on_every_rank(strategies.model_strategy(self), "compile")
         result = original(self, *args, **kwargs)
         if getattr(self, "optimizer", None) is not None:
             self.optimizer = _optimizer.DistributedOptimizer(self.optimizer)
@@ -32,6 +34,8 @@ def apply_wrapper(original):
     def apply(self, grads, trainable_variables=None):
         if _optimizer.is_distributed(self) or _optimizer.is_reduced_by_wrapper(self):
             return original(self, grads, trainable_variables)
+        # a custom loop inside strategy.run: the strategy the optimizer was made under
+        strategies.check_on_every_rank(strategies.optimizer_strategy(self), "optimizer.apply")
         _optimizer.DistributedOptimizer(self)
         return self.apply(grads, trainable_variables)
 
