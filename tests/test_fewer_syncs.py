@@ -40,6 +40,14 @@ def test_local_sgd_every_step_is_data_parallel(ranks):
         assert r["localsgd1_fit"] <= ROUNDING
 
 
+def test_local_sgd_and_diloco_weight_uneven_slices_by_their_rows(ranks):
+    # 8 and 4 rows per step; the plain mean of the weights (rows unknown) is off
+    for r in ranks:
+        assert r["uneven_localsgd1"] <= ROUNDING, r["uneven_localsgd1"]
+        assert r["uneven_diloco1"] <= ROUNDING, r["uneven_diloco1"]
+        assert r["uneven_localsgd1_plain_mean"] > 1e-4, r["uneven_localsgd1_plain_mean"]
+
+
 def test_local_sgd_ranks_apart_between_syncs_equal_at_them(ranks):
     # sync_every=3 over 6 steps: bitwise equal after steps 3 and 6 only
     assert ranks[0]["localsgd3_equal_after_step"] == [False, False, True, False, False, True]

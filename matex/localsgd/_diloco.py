@@ -19,7 +19,7 @@ the last synchronisation, anchor and outer state included.
 import keras
 import tensorflow as tf
 
-from matex import _fusion, _optimizer
+from matex import _optimizer
 from matex.localsgd._local_sgd import LocalStrategy, convert
 
 
@@ -69,7 +69,7 @@ class DiLoCoStrategy(LocalStrategy):
     def synchronise(self, optimizer, variables):
         deltas = [tf.convert_to_tensor(a) - tf.convert_to_tensor(v)
                   for a, v in zip(self.anchors, variables)]
-        averaged = _fusion.allreduce_gradients(deltas, "average")
+        averaged = self.average(deltas)   # weighted by rows since the last sync
         with tf.control_dependencies([a for a in averaged]):   # all or nothing
             self.outer.apply(averaged, self.anchors)
             # after the outer update (same resources: ordered), every rank restarts there

@@ -7,7 +7,10 @@ multiple of H), replaces the weights by their average over ranks (one fused
 allreduce of the weights, the same buckets as the gradients of data
 parallelism). H steps cost one synchronisation instead of H.
 
-Optimizer slots (momentum, Adam's moments) stay local: each rank keeps its
+Where ``fit`` divides a global batch unevenly (the last batch of an epoch),
+the average is weighted by the rows each rank trained on since the last
+synchronisation (``LocalStrategy.average``), so no rank's data counts more
+than another's. Optimizer slots (momentum, Adam's moments) stay local: each rank keeps its
 own, as torchft's LocalSGD and DiLoCo do; only the trainable weights are
 averaged. The step counter is the same on every rank (every rank steps).
 The first step starts from rank 0's weights and optimizer state, as with
@@ -61,6 +64,7 @@ class LocalStrategy:
     def __init__(self, sync_every):
         self.sync_every = check_sync_every(sync_every)
         self.syncs = 0   # synchronisations traced (graph) or run (eager); for tests
+        self.rows = None   # float64 variable: this rank's rows since the last sync, once known
 
     def own_variables(self):
         """Variables this strategy keeps besides the model's and the optimizer's."""
@@ -70,19 +74,59 @@ class LocalStrategy:
         """Hook before the local update (DiLoCo records its anchor)."""
         return []
 
+    def average(self, values):
+        """The average over ranks of ``values`` (one tensor per variable), weighted by the
+        rows each rank trained on since the last synchronisation when they are known.
+
+        ``fit`` under MaTEx divides a global batch that does not divide evenly
+        into uneven slices (the last batch of an epoch; 0 rows on some ranks):
+        a rank's weights then carry less data than another's, and the plain
+        mean would count them alike. With H = 1 and SGD the weighted mean of
+        the updated weights is data parallelism's update by the global-batch
+        gradient. Unknown rows (a custom loop without ``rows_of_step``): the
+        plain mean. The row count restarts at every synchronisation.
+        """
+        if self.rows is None:
+            return _fusion.allreduce_gradients(values, "average")
+        mine = tf.convert_to_tensor(self.rows)
+        total = _collectives.allreduce(mine, "sum")
+        share = tf.math.divide_no_nan(mine, total)
+        weighted = [v * tf.cast(share, v.dtype) for v in values]
+        summed = _fusion.allreduce_gradients(weighted, "sum")
+        with tf.control_dependencies(summed):
+            reset = self.rows.assign(tf.zeros_like(mine))
+        with tf.control_dependencies([reset]):
+            return [tf.identity(s) for s in summed]
+
     def synchronise(self, optimizer, variables):
-        """Replace the weights by their average over ranks."""
+        """Replace the weights by their (row-weighted) average over ranks."""
         values = [tf.convert_to_tensor(v) for v in variables]
-        averaged = _fusion.allreduce_gradients(values, "average")
+        averaged = self.average(values)
         with tf.control_dependencies([a for a in averaged]):   # all or nothing
             for v, a in zip(variables, averaged):
                 v.assign(a)
         return tf.constant(True)
 
+    def _count_rows(self, rows):
+        """Add this step's rows to the count since the last synchronisation (op)."""
+        if rows is None:
+            return []
+        if self.rows is None:
+            with tf.init_scope():
+                self.rows = tf.Variable(0.0, dtype=tf.float64, trainable=False,
+                                        name="matex_local_rows")
+        return [self.rows.assign_add(tf.cast(rows, tf.float64))]
+
+    def restart_rows(self):
+        """Back at a synchronisation point (a rollback): no rows trained since (local)."""
+        if self.rows is not None:
+            self.rows.assign(0.0)
+
     def apply(self, optimizer, grads, variables, inner_apply, op, rows):
         variables = list(variables if variables is not None
                          else _compat.optimizer_trainable_variables(optimizer))
-        deps = self.before_update(optimizer, variables)
+        deps = self.before_update(optimizer, variables) + self._count_rows(
+            rows if op == "average" else None)
         with tf.control_dependencies(deps):
             inner_apply(grads, variables)
         # read after the update (same resource: ordered), so the count includes this step
@@ -130,6 +174,7 @@ class RollbackState(_recovery.State):
             self.at = step
 
     def restore(self):
+        self.strategy.restart_rows()
         if self.saved is None:
             return
         everything = self._all()

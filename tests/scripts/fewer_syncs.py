@@ -134,6 +134,41 @@ results["localsgd1_momentum_loop"] = gap(weights(custom_loop(
 results["localsgd1_fit"] = gap(weights(fit(
     matex.LocalSGD(keras.optimizers.SGD(LR), sync_every=1))), dp)
 
+# ---- uneven slices (8 and 4 rows of each 12-row global batch, as fit divides a batch
+# that does not divide evenly): Local SGD and DiLoCo weight each rank's weights by its
+# rows, so sync_every=1 with SGD is still data parallelism (which weights gradients) ----
+def uneven_loop(optimizer, rows_known=True):
+    m = model()
+    # rank r gets (size - r) shares of the batch: 2 ranks 8 and 4 rows, 3 ranks 6, 4, 2
+    ends = [GLOBAL - GLOBAL * (size - r) * (size - r + 1) // (size * (size + 1))
+            for r in range(size + 1)]
+    lo, hi = ends[rank], ends[rank + 1]
+
+    @tf.function
+    def step(x, y):
+        with tf.GradientTape() as tape:
+            loss = loss_fn(y, m(x, training=True))
+        grads = tape.gradient(loss, m.trainable_variables)
+        if rows_known:   # as fit tells the optimizer
+            with matex._optimizer.rows_of_step(optimizer, (x,)):
+                optimizer.apply(grads, m.trainable_variables)
+        else:
+            optimizer.apply(grads, m.trainable_variables)
+
+    for x, y in batches:
+        step(x[lo:hi], y[lo:hi])
+    return m
+
+
+uneven_dp = weights(uneven_loop(matex.DistributedOptimizer(keras.optimizers.SGD(LR))))
+results["uneven_localsgd1"] = gap(weights(uneven_loop(
+    matex.LocalSGD(keras.optimizers.SGD(LR), sync_every=1))), uneven_dp)
+results["uneven_diloco1"] = gap(weights(uneven_loop(matex.DiLoCo(
+    keras.optimizers.SGD(LR), keras.optimizers.SGD(1.0), sync_every=1))), uneven_dp)
+# the plain mean of the weights (rows unknown): what Local SGD did before
+results["uneven_localsgd1_plain_mean"] = gap(weights(uneven_loop(
+    matex.LocalSGD(keras.optimizers.SGD(LR), sync_every=1), rows_known=False)), uneven_dp)
+
 # ---- Local SGD, sync_every=3: apart between syncs, bitwise equal at them -----
 equal_at = []
 matex._stats.reset()
