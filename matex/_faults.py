@@ -17,9 +17,9 @@ Fields of one fault (faults are separated by ``;``):
   ``checkpoint`` (on rank 0 while it writes a checkpoint, after the data and
   before the rename; ``step`` is then the optimizer step at which the
   checkpoint is written), ``fit`` (on entering Keras ``fit``, before its
-  set-up; ``step`` is the optimizer step count then), ``build`` (while the
-  first training step is traced, before the optimizer builds its variables
-  and broadcasts rank 0's state; ``step`` is the optimizer step count) or
+  set-up; ``step`` is the optimizer step count then), ``build`` (while a
+  training step is traced, before the optimizer's first-step broadcast of
+  rank 0's state; ``step`` is the optimizer step count then) or
   ``start`` (under ULFM, during MaTEx's start-up, after MPI is initialised and
   before the first collective; ``step`` must be 0).
 

@@ -52,7 +52,7 @@ class _DistributedMixin:
         if state.capture is not None:
             state.capture.append((grads, list(trainable_variables or [])))
             return None
-        if not state.synced and _faults.pending():
+        if _faults.pending() and not tf.executing_eagerly():   # tracing the step
             with tf.init_scope():
                 _faults.maybe_fail(int(self.iterations.numpy()), "build")
         if trainable_variables is not None:

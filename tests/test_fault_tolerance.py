@@ -125,9 +125,7 @@ def fault_free(tmp_path_factory):
     ("rank=3,step=29,kind=kill", [0, 1, 2]),                       # last step
     ("rank=2,step=10,kind=kill,at=begin", [0, 1, 3]),              # before the forward pass
     ("rank=1,step=0,kind=kill,at=start", [0, 2, 3]),               # during MaTEx's start-up
-    # rank 0, the root of fit's set-up broadcasts (the shuffling seed), on entering fit
-    ("rank=0,step=0,kind=kill,at=fit", [1, 2, 3]),
-    # while the first step is traced, before the optimizer's build and first broadcast
+    # while the first step is traced, before the optimizer's first-step broadcast
     ("rank=1,step=0,kind=kill,at=build", [0, 2, 3]),
     ("rank=2,step=30,kind=kill,at=evaluate", [0, 1, 3]),           # in evaluate, after fit
     # in fit's validation pass, after the first epoch (Keras hands evaluate a CallbackList)
@@ -136,7 +134,7 @@ def fault_free(tmp_path_factory):
     ("rank=3,step=10,kind=hang,at=evaluate;validate", [0, 1, 2]),
 ], ids=["kill-middle-mid", "kill-rank0-first", "exception-last-boundary", "hang-middle",
         "two-at-once", "down-to-one", "kill-last-step", "kill-at-begin", "kill-at-start",
-        "kill-rank0-entering-fit", "kill-while-first-step-traced",
+        "kill-while-first-step-traced",
         "kill-in-evaluate", "kill-in-validation", "exception-in-validation",
         "hang-in-validation"])
 def test_survivors_finish_with_nothing_lost_or_repeated(tmp_path, fault_free, faults,
@@ -163,23 +161,28 @@ def test_survivors_finish_with_nothing_lost_or_repeated(tmp_path, fault_free, fa
     _check(_results(out), survivors, out, err, reference=fault_free)
 
 
-def test_checkpoints_under_ft_a_recovery_never_trains_committed_epochs_again(tmp_path,
-                                                                            fault_free):
-    # Epoch checkpoints (MATEX_CHECKPOINT_DIR) under --ft; rank 0 is killed while it
-    # writes the epoch-2 checkpoint (data written, not renamed). The survivors'
-    # state is newer than the epoch-1 checkpoint: re-running fit must not restore it
-    # (that trained epoch 2 twice, and load_weights gave the optimizer's state to
-    # rank 0 only: replicas diverged, exit 0).
-    proc, out = _launch(tmp_path, 4, "rank=0,step=20,kind=kill,at=checkpoint",
+def test_rank0_lost_entering_fit_then_checkpoints_under_ft_train_nothing_twice(tmp_path,
+                                                                              fault_free):
+    # Two failures, one launch, epoch checkpoints on (MATEX_CHECKPOINT_DIR) under --ft:
+    # 1. rank 0, the root of fit's set-up broadcast (the shuffling seed), dies on
+    #    entering fit: that broadcast ran before the recovery loop, every survivor died;
+    # 2. world rank 1, rank 0 by then, dies while it writes the epoch-2 checkpoint
+    #    (data written, not renamed). The survivors' state is newer than the epoch-1
+    #    checkpoint: the redone fit must not restore it (it did: epoch 2 trained twice,
+    #    and load_weights gave the optimizer's state to rank 0 only, replicas
+    #    diverged, exit 0).
+    proc, out = _launch(tmp_path, 4, "rank=0,step=0,kind=kill,at=fit;"
+                        "rank=1,step=20,kind=kill,at=checkpoint",
                         env_vars={"MATEX_CHECKPOINT_DIR": str(tmp_path / "ckpt")})
     stdout, err = _finish(proc)
     assert proc.returncode == 0, _tail(err)
-    assert err.count("matex: injecting fault") == 1, _tail(err)
+    assert err.count("matex: injecting fault") == 2, _tail(err)
     assert "resumed from the checkpoint" not in stdout, stdout
     results = _results(out)
     for r in results.values():
-        assert [(x["lost"], x["new_size"]) for x in r["recoveries"]] == [([0], 3)], _tail(err)
-    _check(results, [1, 2, 3], out, err, reference=fault_free)
+        assert [(x["lost"], x["new_size"]) for x in r["recoveries"]] == [([0], 3), ([0], 2)], \
+            _tail(err)
+    _check(results, [2, 3], out, err, reference=fault_free)
 
 
 def test_kill_9_from_outside_at_a_random_moment(tmp_path, fault_free):
