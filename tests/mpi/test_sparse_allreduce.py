@@ -167,3 +167,16 @@ def test_bad_arguments():
         matex.sparse_allreduce([0.5], [1.0], [2])
     with pytest.raises(ValueError, match="op"):
         matex.sparse_allreduce([0], [1.0], [2], op="max")
+
+
+def test_flight_recorder_and_timeline_bytes_are_the_bytes_sent():
+    # the flight entry (and the timeline, which reads it) recorded the dense
+    # tensor's bytes (500 x 8 x 4 = 16000 here), not the stream this rank sent
+    from matex import _native, _sparse
+
+    idx, vals = inputs(12, RANK, 500, 0.02, (8,))
+    *_, sent = _sparse.exchange(idx, vals, 500, density_threshold=2.0)
+    entry = _native.core().flight_entries()[-1]
+    assert entry["kind"] == 8                        # sparse allreduce
+    assert entry["bytes"] == int(sent) > 0
+    assert int(sent) < 500 * 8 * 4 or SIZE == 1

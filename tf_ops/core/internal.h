@@ -116,6 +116,12 @@ class FlightRecord {
     if (recording_) Update([](FlightEntry& e) { e.agreed = Now(); });
   }
 
+  // The bytes this rank actually sent, where they differ from its input's
+  // (the sparse allreduce: its stream, not the dense tensor).
+  void SetBytes(int64_t bytes) {
+    if (recording_) Update([bytes](FlightEntry& e) { e.bytes = bytes; });
+  }
+
   Status Done(Status s) {
     g_pending_since.store(0.0, std::memory_order_relaxed);
     if (!recording_) return s;
@@ -211,6 +217,9 @@ class Agreement {
 
   // Close the flight entry with the collective's outcome; returns `s`.
   Status Done(Status s) { return flight_.Done(std::move(s)); }
+
+  // Record `bytes` as what this rank sent in the flight entry (default: its input's bytes).
+  void SetBytes(int64_t bytes) { flight_.SetBytes(bytes); }
 
  private:
   MPI_Comm comm_;

@@ -142,7 +142,7 @@ struct FlightEntry {
   int comm_rank = 0;
   int comm_size = 0;
   int num_tensors = 0;
-  int64_t bytes = 0;          // this rank's input bytes
+  int64_t bytes = 0;          // this rank's input bytes (sparse allreduce: bytes sent)
   int ndims = 0;              // first tensor's shape (up to 8 dims)
   int64_t dims[8] = {0};
   uint64_t signature = 0;     // the agreement check's hash: equal across agreeing ranks

@@ -373,7 +373,9 @@ Status SparseAllreduce(const int64_t* indices, int64_t nnz, const void* values,
     L.row_bytes = L.row_elems * int64_t(DataTypeSize(dtype));
     L.switch_rows = std::max<int64_t>(switch_rows, 0);
     L.add = Adder(dtype);
-    return Run(comm, indices, nnz, values, L, allocate, bytes_sent);
+    st = Run(comm, indices, nnz, values, L, allocate, bytes_sent);
+    check.SetBytes(*bytes_sent);   // what was sent, not the dense size
+    return st;
   }());
 }
 
