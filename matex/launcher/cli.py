@@ -207,7 +207,11 @@ def main(argv: Sequence[str] | None = None) -> int:
                         help="rank 0 prints the job's samples/s, slowest rank and allreduce "
                              "share every MATEX_MONITOR_INTERVAL seconds (default 10)")
     parser.add_argument("--mpi-arg", action="append", default=[], metavar="ARG",
-                        help="extra argument for mpiexec (repeatable)")
+                        help="extra argument for mpiexec (repeatable). With Open MPI, "
+                             "matexrun runs ranks unbound on one machine (--bind-to none; "
+                             "give --mpi-arg=--bind-to --mpi-arg=core to bind) and, with "
+                             "Open MPI 5 and without --all-ranks, relays output as written "
+                             "(--output :raw: live progress bars)")
     _add_cluster_options(parser)
     parser.add_argument("script", help="the Python script to run")
     parser.add_argument("args", nargs=argparse.REMAINDER, help="the script's arguments")
@@ -295,8 +299,8 @@ def _output_and_binding_args(mpiexec, opts, cluster_args, user_args) -> list:
       ``--all-ranks``: there, whole lines keep several ranks' output apart.
     * ``--bind-to none`` on one machine: Open MPI binds rank r to core r when
       there are at most as many ranks as cores; next to busy processes, two
-      bound ranks trained half as fast as unbound ones (1.5 against 3.0 epochs
-      in 150 s with two busy background processes). Bind explicitly with
+      bound ranks were reported to train half as fast as unbound ones (1.5
+      against 3.0 epochs in 150 s with two busy background processes, #24). Bind explicitly with
       ``--mpi-arg=--bind-to --mpi-arg=core`` on a node of your own; Slurm
       allocations with several CPUs per task keep their own binding.
     """
