@@ -41,7 +41,7 @@ mwms = tf.distribute.MultiWorkerMirroredStrategy()
 rng = np.random.default_rng(0)
 x = rng.normal(size=(90, 5)).astype("float32")
 y = (x @ np.linspace(-1, 2, 5).astype("float32") + 0.5 * np.sin(x[:, 0]))[:, None]
-x_train, y_train, x_val, y_val = x[:70], y[:70], x[70:], y[70:]   # 70 = 4 * 16 + 6
+x_train, y_train, x_val, y_val = x[:69], y[:69], x[69:], y[69:]   # 69 = 4 * 16 + 5: 3 + 2 rows
 results = {"tf_config": os.environ.get("TF_CONFIG"),
            "mwms_cluster": mwms.cluster_resolver.cluster_spec().as_dict()}
 
