@@ -4,6 +4,7 @@
     python benchmarks/hpo.py --quick    # smoke run
     python benchmarks/hpo.py --algorithms lazy_bo,random,genetic   # leave out Keras Tuner BO
     python benchmarks/hpo.py --algorithms kt_bo,lazy_bo --budgets 40   # shorter searches
+    python benchmarks/hpo.py --parallel 4   # lazy GP: 1 worker vs 4 asynchronous workers
 
 One process, no MPI (the oracles are pure Python; the distributed search is
 measured elsewhere). BLAS runs on one thread (OPENBLAS_NUM_THREADS=1 unless
@@ -26,6 +27,18 @@ set), so that timings on a shared machine are not thread-contention noise.
    through create_trial / update_trial / end_trial. Seeds are 1 + 7919 k: Keras
    Tuner's samplers count their seed up by one per draw, so nearby seeds would
    share draws.
+
+3. ``--parallel W`` (instead of 1 and 2): LazyBayesianOracle alone, one
+   worker against W asynchronous workers, same seeds and budgets. The workers
+   are simulated in one process as the service runs them (matex.hpo._service:
+   a group's result and its next request are one ``end_trial`` then
+   ``create_trial``): W trials are in flight; each trial takes a duration
+   drawn uniformly from [0.5, 1.5] (seeded); the first to finish is reported
+   and its group asks for the next trial while the W - 1 others still run.
+   Target: the W-worker median within 10 % of the one-worker median, every
+   budget: on Branin (values > 0) as values, median(W) <= 1.1 x median(1);
+   on Hartmann-6 (values < 0, minimum -3.32237) as gaps to the minimum,
+   gap(W) <= 1.1 x gap(1).
 
 Targets: add >= 20x faster than refactorising at n = 1000, with O(n^2) growth;
 LazyBayesian's median best at least Keras Tuner BO's; both better than random.
@@ -137,6 +150,93 @@ def search(task):
             trace.append(best)
         seconds = time.perf_counter() - start
     return {"trace": trace, "s_per_trial": seconds / max(len(trace), 1)}
+
+
+def search_async(task):
+    """(function, seed, budget, workers) -> best value after each evaluation, ``workers``
+    trials in flight (simulated: see the module doc, 3.)."""
+    import heapq
+    import random
+    import tempfile
+    import warnings
+
+    from matex import _compat
+
+    function, seed, budget, workers = task
+    warnings.filterwarnings("ignore")
+    oracle = make_oracle("lazy_bo", function, seed, budget)
+    durations = random.Random(seed)
+    with tempfile.TemporaryDirectory() as directory:
+        _compat.set_oracle_project_dir(oracle, directory, "search")
+        oracle.verbose = 0
+        running, now, best, trace = [], 0.0, math.inf, []
+
+        def start(worker):
+            trial = oracle.create_trial("worker-%d" % worker)
+            if trial.status == "RUNNING":
+                heapq.heappush(running, (now + durations.uniform(0.5, 1.5), worker, trial))
+
+        begin = time.perf_counter()
+        for worker in range(workers):
+            start(worker)
+        while running:
+            now, worker, trial = heapq.heappop(running)
+            value = evaluate(function, trial.hyperparameters.values)
+            oracle.update_trial(trial.trial_id, {"score": value})
+            trial.status = "COMPLETED"
+            oracle.end_trial(trial)
+            best = min(best, value)
+            trace.append(best)
+            start(worker)
+        seconds = time.perf_counter() - begin
+    return {"trace": trace, "s_per_trial": seconds / max(len(trace), 1)}
+
+
+def parallel(args, workers):
+    """Median and worst best value per function, budget and number of workers (1 and W)."""
+    import multiprocessing
+
+    seeds = [1 + 7919 * k for k in range(2 if args.quick else 10)]
+    budgets = (12, 20) if args.quick else tuple(args.budgets)
+    tasks = [(f, s, budgets[-1], w) for f in FUNCTIONS for w in (1, workers) for s in seeds]
+    processes = min(len(tasks), len(os.sched_getaffinity(0)))
+    with multiprocessing.get_context("spawn").Pool(processes) as pool:
+        done = pool.map(search_async, tasks, chunksize=1)
+    out = {}
+    for (function, _, _, w), run in zip(tasks, done):
+        entry = out.setdefault(function, {}).setdefault(str(w), {str(b): [] for b in budgets})
+        for b in budgets:
+            entry[str(b)].append(run["trace"][min(b, len(run["trace"])) - 1])
+    return {"seeds": len(seeds), "budgets": list(budgets), "workers": workers, "best": out}
+
+
+def report_parallel(results):
+    workers, budgets = results["workers"], [str(b) for b in results["budgets"]]
+    rows, checks = [], []
+    for function, (_, minimum) in FUNCTIONS.items():
+        for b in budgets:
+            one = results["best"][function]["1"][b]
+            many = results["best"][function][str(workers)][b]
+            gaps = [statistics.median(v) - minimum for v in (one, many)]
+            rows.append([function, b, "%.4f" % statistics.median(one), "%.4f" % max(one),
+                         "%.4f" % statistics.median(many), "%.4f" % max(many),
+                         "%.4f" % gaps[0], "%.4f" % gaps[1]])
+            if function == "branin":
+                checks.append((function, b, "value", statistics.median(one),
+                               statistics.median(many)))
+            else:
+                checks.append((function, b, "gap", gaps[0], gaps[1]))
+    lines = ["Lazy GP, 1 worker vs %d asynchronous workers (simulated): best value, %d seeds"
+             % (workers, results["seeds"]), "",
+             _common.table(["function", "evaluations", "1: median", "1: worst",
+                            "%d: median" % workers, "%d: worst" % workers, "1: gap",
+                            "%d: gap" % workers], rows), "", "Targets:",
+             _common.target("%d workers' median within 10 %% of one worker's, every budget "
+                            "(Branin: median value; Hartmann-6: median gap to the minimum)"
+                            % workers, all(many <= 1.1 * one for *_, one, many in checks),
+                            "; ".join("%s @%s %s %.4f (1) vs %.4f (W)" % row
+                                      for row in checks))]
+    return "\n".join(lines)
 
 
 def quality(args):
@@ -300,8 +400,23 @@ def main():
     if not all(b.isdigit() and int(b) > 0 for b in budgets):
         raise SystemExit("--budgets: comma-separated numbers of evaluations, not %r"
                          % ",".join(budgets))
+    workers = _own_option("--parallel", None)
+    if workers is not None and not (len(workers) == 1 and workers[0].isdigit()
+                                    and int(workers[0]) > 1):
+        raise SystemExit("--parallel: a number of workers above 1, not %r" % ",".join(workers))
     args = _common.parse_args(__doc__.splitlines()[0], [], repeats=1)
     args.algorithms, args.budgets = names, sorted(int(b) for b in budgets)
+    if workers is not None:
+        workers = int(workers[0])
+        results = {"parallel": parallel(args, workers)}
+        command = "python benchmarks/hpo.py --parallel %d" % workers + (
+            " --quick" if args.quick else "") + (
+            " --budgets " + ",".join(map(str, args.budgets)) if args.budgets != [40, 100] else "")
+        print(_common.header("hyperparameter search: lazy GP, 1 vs %d asynchronous workers"
+                             % workers, command))
+        print(report_parallel(results["parallel"]))
+        _common.write_json(args.json, results)
+        return
     results = {"gp_update": gp_update(args), "quality": quality(args)}
     command = "python benchmarks/hpo.py" + (" --quick" if args.quick else "") + (
         " --algorithms " + ",".join(names) if names != list(ALGORITHMS) else "") + (

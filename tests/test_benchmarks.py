@@ -172,6 +172,29 @@ def test_hpo_driver(tmp_path):
             assert minima[function] - 1e-5 <= last <= first
 
 
+def test_hpo_parallel_driver(tmp_path):
+    """``--parallel 4``: the lazy GP with one worker and with 4 simulated asynchronous ones."""
+    out = tmp_path / "hpo_parallel.json"
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks" / "hpo.py"), "--parallel", "4", "--quick",
+         "--json", str(out)], cwd=ROOT, env=dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2"),
+        capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+    stdout, results = proc.stdout, json.loads(out.read_text())["parallel"]
+    assert_finite_table(stdout)
+    assert len(table_rows(stdout)) == 2 * 2   # functions x budgets
+    assert_targets(stdout, 1)
+    assert results["workers"] == 4 and results["seeds"] == 2
+    minima = {"branin": 0.397887, "hartmann6": -3.32237}
+    for function, runs in results["best"].items():
+        assert set(runs) == {"1", "4"}
+        for best in runs.values():
+            first, last = (best[str(b)] for b in results["budgets"])
+            assert len(first) == len(last) == 2
+            # real function values: never below the minimum, never worse with more trials
+            assert all(minima[function] - 1e-5 <= b <= a for a, b in zip(first, last))
+
+
 def test_hpo_workflow_driver(tmp_path):
     stdout, results = run_driver("hpo_workflow", tmp_path, timeout=1500)
     assert_finite_table(stdout)

@@ -29,11 +29,17 @@ ended, with refits at fixed counts and refit restarts seeded by (seed,
 count): an oracle reloaded from its directory replays them and holds the same
 GP, so a resumed search proposes what an uninterrupted one would.
 
-Concurrent groups get different points through a constant liar: every trial
-still running is added to a copy of the GP as a fantasised observation (the
-mean of the results so far, by default), which collapses the GP's uncertainty
-there, then removed again (``truncate``: the factor's leading block is the
-factor of the real data, so this costs nothing).
+Concurrent groups get different points: every trial still running is added
+to the GP as a fantasised observation, then removed again (``truncate``: the
+factor's leading block is the factor of the real data, so this costs
+nothing). The fantasy is the GP's own mean there by default (kriging
+believer): the GP's uncertainty at a running trial collapses while its mean
+stays, so a group asking while three others run is sent elsewhere, but not
+away from a good region (a constant liar at the mean of the results did
+that: see ``_add_pending``). Trials that ended without a usable result
+(failed, NaN, infinite) are fantasised the same way at the worst value seen,
+so the search does not go back to them (it had proposed a failing point
+17 times in a row).
 
 The acquisition (UCB, mu - kappa * sigma, or expected improvement; the search
 is a minimisation, a "max" objective is negated) is optimised over the unit
@@ -55,7 +61,7 @@ from matex.hpo._lazy_gp import LazyGP
 log = logging.getLogger(__name__)
 
 ACQUISITIONS = ("ucb", "ei")
-LIARS = ("mean", "best", "worst")
+LIARS = ("believer", "mean", "best", "worst")
 _COMPLETED = kt.engine.trial.TrialStatus.COMPLETED
 _RUNNING = kt.engine.trial.TrialStatus.RUNNING
 _STOPPED = kt.engine.trial.TrialStatus.STOPPED
@@ -78,8 +84,9 @@ class LazyBayesianOracle(kt.Oracle):
         acquisition: ``"ucb"`` (mu - kappa * sigma) or ``"ei"`` (expected
             improvement, by ``xi`` standard deviations of the results).
         kappa, xi: the acquisitions' exploration parameters.
-        liar: the value fantasised for trials still running: ``"mean"``,
-            ``"best"`` or ``"worst"`` of the results so far.
+        liar: the value fantasised for trials still running: ``"believer"``
+            (the GP's mean there, the default), or ``"mean"``, ``"best"`` or
+            ``"worst"`` of the results so far.
         kernel: ``"matern52"`` or ``"rbf"``.
         num_candidates: random candidates scored before the local optimisation.
     """
@@ -87,7 +94,7 @@ class LazyBayesianOracle(kt.Oracle):
     def __init__(self, objective=None, max_trials=10, num_initial_points=None, lag=20,
                  acquisition="ucb", seed=None, hyperparameters=None, allow_new_entries=True,
                  tune_new_entries=True, max_retries_per_trial=0,
-                 max_consecutive_failed_trials=3, kappa=2.6, xi=0.01, liar="mean",
+                 max_consecutive_failed_trials=3, kappa=2.6, xi=0.01, liar="believer",
                  kernel="matern52", num_candidates=1000, refit_until=50, isotropic_until=None):
         if acquisition not in ACQUISITIONS:
             raise ValueError("acquisition must be one of %s, not %r" % (ACQUISITIONS, acquisition))
@@ -122,6 +129,7 @@ class LazyBayesianOracle(kt.Oracle):
         self.gp = None
         self._gp_names = None
         self._gp_trials = []
+        self._gp_failed = []     # points of trials that ended without a usable result
         self._last_refit = None
 
     def _initial_points(self):
@@ -146,12 +154,13 @@ class LazyBayesianOracle(kt.Oracle):
         known = set(self._gp_trials)
         for trial_id in self.end_order:
             trial = self.trials.get(trial_id)
-            if trial_id in known or trial is None or trial.status != _COMPLETED:
+            if trial_id in known or trial is None or trial.status == _RUNNING:
                 continue
             known.add(trial_id)
-            target = self._target(trial)
             self._gp_trials.append(trial_id)
-            if target is None:
+            target = self._target(trial) if trial.status == _COMPLETED else None
+            if target is None:   # failed, invalid (NaN) or infinite: a point not to go back to
+                self._gp_failed.append(_unit_cube.to_vector(space, trial.hyperparameters))
                 continue
             self.gp.add(_unit_cube.to_vector(space, trial.hyperparameters), target)
             n = self.gp.n
@@ -174,32 +183,65 @@ class LazyBayesianOracle(kt.Oracle):
 
     def populate_space(self, trial_id):
         space = self.hyperparameters.space
-        completed = [t for t in self.trials.values() if t.status == _COMPLETED]
-        if not _unit_cube.tunable(space) or len(completed) < self._initial_points():
+        # random points until as many as the initial points were handed out; with groups
+        # running concurrently, the first proposals come while some of those still run
+        # (counting the results instead gave 4 groups 3 more random points: 9 of Branin's 40)
+        if not _unit_cube.tunable(space) or len(self.trials) < self._initial_points():
             return self._random()
         self._sync_gp()
         gp = self.gp
         if gp.n < 2:
             return self._random()
+        early = gp.n < self._initial_points()
+        if early:
+            # results of the initial points still running: a kernel fitted for this proposal
+            # only (the GP keeps its own, so it stays a function of the completed trials)
+            kept = gp.get_hyperparameters()
+            gp.fit_hyperparameters(seed=[int(self.seed), gp.n], isotropic=True)
         rng = np.random.default_rng([int(self.seed), len(self.trials)])
         observed = gp.y
         real = gp.n
         seeds = gp.X[np.argsort(observed)[:5]]
-        liar = {"mean": observed.mean(), "best": observed.min(),
-                "worst": observed.max()}[self.liar]
-        for trial in self.ongoing_trials.values():
-            if trial.trial_id not in self._gp_trials:
-                gp.add(_unit_cube.to_vector(space, trial.hyperparameters), liar)
         try:
+            # failed points first, at the worst value seen: the GP's mean there is bad and its
+            # uncertainty gone, so the search does not go back to them
+            for x in self._gp_failed:
+                gp.add(x, observed.max())
+            self._add_pending(gp, space, observed)
             candidates = self._maximise_acquisition(rng, observed.min(), seeds)
         finally:
             gp.truncate(real)
+            if early:
+                gp.set_hyperparameters(**kept)
         for x in candidates:
             values = _unit_cube.to_values(self.hyperparameters, x)
             if not _compat.oracle_has_tried(self, values):
                 return {"status": _RUNNING, "values": values}
         log.info("LazyBayesianOracle: every good candidate was tried already; a random point")
         return self._random()
+
+    def _add_pending(self, gp, space, observed):
+        """Fantasise a result for every trial still running (added to ``gp``, truncated after).
+
+        ``"believer"`` (kriging believer): the GP's own mean there, given the
+        results and the fantasies added before it; the mean is unchanged and the
+        uncertainty collapses, so a proposal goes elsewhere without the region
+        around a running trial being made to look worse than it is. A constant
+        liar (``"mean"``, ``"best"``, ``"worst"`` of the results) moves the mean:
+        ``"mean"`` at a running trial near the best point makes its
+        neighbourhood look average, and four groups asking by turns then kept
+        away from the best point (Branin, 40 evaluations, 4 simulated workers,
+        median of 5 seeds: 0.61 with ``"mean"``, 0.399 with ``"believer"``).
+        """
+        constant = {"mean": observed.mean, "best": observed.min,
+                    "worst": observed.max}.get(self.liar)
+        for trial in self.ongoing_trials.values():
+            if trial.trial_id in self._gp_trials:
+                continue
+            x = _unit_cube.to_vector(space, trial.hyperparameters)
+            lie = float(constant()) if constant is not None else float(
+                gp.predict(x[None, :], return_std=False)[0])
+            gp.add(x, lie)
 
     def _random(self):
         values = _compat.oracle_random_values(self)
