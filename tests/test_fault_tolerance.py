@@ -131,17 +131,20 @@ def fault_free(tmp_path_factory):
     # in fit's validation pass, after the first epoch (Keras hands evaluate a CallbackList)
     ("rank=2,step=10,kind=kill,at=evaluate;validate", [0, 1, 3]),
     ("rank=1,step=20,kind=exception,at=evaluate;validate", [0, 2, 3]),
+    # a repeated tf.data dataset with steps_per_epoch: resumed mid-epoch in its stream
+    ("rank=2,step=14,kind=kill;repeat", [0, 1, 3]),
     ("rank=3,step=10,kind=hang,at=evaluate;validate", [0, 1, 2]),
 ], ids=["kill-middle-mid", "kill-rank0-first", "exception-last-boundary", "hang-middle",
         "two-at-once", "down-to-one", "kill-last-step", "kill-at-begin", "kill-at-start",
         "kill-while-first-step-traced",
         "kill-in-evaluate", "kill-in-validation", "exception-in-validation",
-        "hang-in-validation"])
+        "hang-in-validation", "kill-mid-epoch-steps-per-epoch"])
 def test_survivors_finish_with_nothing_lost_or_repeated(tmp_path, fault_free, faults,
                                                         survivors):
-    validate = faults.endswith(";validate")
-    faults = faults.replace(";validate", "")
-    proc, out = _launch(tmp_path, 4, faults, extra=["validate"] if validate else [])
+    modes = [m for m in ("validate", "repeat") if faults.endswith(";" + m)]
+    faults = faults.replace(";validate", "").replace(";repeat", "")
+    validate = "validate" in modes
+    proc, out = _launch(tmp_path, 4, faults, extra=modes)
     stdout, err = _finish(proc)
     # survivors exit 0; a failed rank (killed, hung or raising) ends as a crash
     assert proc.returncode == 0, _tail(err)

@@ -218,6 +218,7 @@ def fit(original):
         _announce(size, ft)
         verbose, epochs = a["verbose"], a["epochs"]
         first_iteration = _iterations(self)
+        per_epoch = a["steps_per_epoch"]
         start_epoch = a["initial_epoch"]
         position = {"epoch": start_epoch, "step": 0}
         histories = []
@@ -239,7 +240,17 @@ def fit(original):
                 train = inputs.TrainInput(x, y, sw, batch, shuffle, seed.agree())
             while position["epoch"] < epochs:
                 epoch, step = position["epoch"], position["step"]
-                a["x"], a["y"], a["sample_weight"], a["batch_size"] = train.at(epoch, step)
+                done = _iterations(self) - first_iteration
+                if per_epoch and train.steps is None and done and isinstance(x, tf.data.Dataset):
+                    # steps_per_epoch over a dataset of no known length (repeated):
+                    # Keras reads it as one stream across epochs; go on where the
+                    # survivors' committed steps leave it
+                    a["x"], a["y"], a["sample_weight"], a["batch_size"] = inputs.shard_input(
+                        x.skip(done), y, sw, batch, False, 0, epoch)
+                else:
+                    a["x"], a["y"], a["sample_weight"], a["batch_size"] = train.at(epoch, step)
+                if per_epoch:
+                    a["steps_per_epoch"] = per_epoch - step
                 if isinstance(a["x"], (tf.data.Dataset, keras.utils.PyDataset)):
                     # shuffled by MaTEx (the same on every rank), or the dataset's
                     # own business: Keras would shuffle PyDataset batches with each
@@ -269,13 +280,21 @@ def fit(original):
                 position["epoch"], position["step"] = a["epochs"], 0
 
         def resume_point(loss):
-            if train.steps is None:
+            steps = per_epoch or train.steps
+            if steps is None:
                 raise RuntimeError("cannot resume training after a rank failure: the number "
-                                   "of steps per epoch of fit's input is unknown")
+                                   "of steps per epoch of fit's input is unknown (give "
+                                   "steps_per_epoch, or arrays or a dataset of known length)")
+            if per_epoch and train.steps is not None and per_epoch != train.steps:
+                raise RuntimeError(
+                    "cannot resume training after a rank failure: steps_per_epoch=%d differs "
+                    "from the %d batches of one pass over fit's input, so epochs and passes "
+                    "do not line up (give steps_per_epoch=%d, leave it out, or repeat the "
+                    "dataset)" % (per_epoch, train.steps, train.steps))
             # the optimizer's step counter came from the new rank 0 with its state
             done = int(self.optimizer.iterations) - first_iteration
-            position["epoch"] = start_epoch + done // train.steps
-            position["step"] = done % train.steps
+            position["epoch"] = start_epoch + done // steps
+            position["step"] = done % steps
             if _runtime.rank() == 0:
                 print("matex: lost rank(s) %s; %d ranks continue from epoch %d step %d "
                       "(recovered in %.3f s)" % (loss.lost, loss.new_size, position["epoch"] + 1,

@@ -5,6 +5,7 @@ survives the loss of ranks. Writes OUT.<world rank> on every rank that finishes.
 Usage: ft_fit.py OUT N_SAMPLES BATCH EPOCHS [validate]
 
 "validate": fit also validates, after every epoch, on the first 64 samples.
+"repeat": fit reads a repeated tf.data dataset with steps_per_epoch (one pass per epoch).
 """
 
 import json
@@ -18,6 +19,7 @@ import tensorflow as tf
 
 out, n, batch, epochs = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4])
 validate = "validate" in sys.argv[5:]
+repeat = "repeat" in sys.argv[5:]
 with open("%s.pid.%s" % (out, os.environ.get("OMPI_COMM_WORLD_RANK", "0")), "w") as f:
     f.write(str(os.getpid()))   # lets a test kill this rank from outside
 rng = np.random.default_rng(0)
@@ -72,8 +74,12 @@ class Progress(keras.callbacks.Callback):
 
 
 progress = Progress()
-history = model.fit(x, y, batch_size=batch, epochs=epochs, shuffle=True, verbose=0,
-                    callbacks=[progress], validation_data=(x[:64], y[:64]) if validate else None)
+data = dict(x=x, y=y, batch_size=batch, shuffle=True)
+if repeat:
+    data = dict(x=tf.data.Dataset.from_tensor_slices((x, y)).batch(batch).repeat(),
+                steps_per_epoch=-(-n // batch))
+history = model.fit(epochs=epochs, verbose=0, callbacks=[progress],
+                    validation_data=(x[:64], y[:64]) if validate else None, **data)
 loss, acc = model.evaluate(x, y, verbose=0, callbacks=[progress])
 import matex  # noqa: E402  (for the report only)
 from matex import _resilience  # noqa: E402
