@@ -9,6 +9,11 @@ World rank ``r`` belongs to group ``r // k``; group rank 0 is the group's leader
   (``matex.comm()``) while the search runs, so a trial's ``fit`` is
   data-parallel over its group with rank-0-of-group-only output;
 * the world as it was, put back when the search ends.
+
+While the search runs, every collective of a trial is agreed on first over the
+group's communicator, so that a rank whose trial raised can release the peers
+waiting for it (``finish_trial``, below); after a search that lost ranks
+(ULFM) the next one regroups the survivors (``Groups.refresh``).
 """
 
 from __future__ import annotations

@@ -117,7 +117,8 @@ class Handler:
         self.oracle, self.trial_dir = oracle, trial_dir
         self.lock = threading.RLock()
         self.stopped = set()          # tuner ids told STOPPED, or done with the search
-        self.released = set()         # tuner ids told that the whole search is over
+        self.released = set()         # service ranks told that the whole search is over
+        self.drain_path = None        # where ``released`` is kept for a takeover (a file)
         self.fatal = None   # the oracle's error that ended the search (raised on every rank)
         self.groups = groups
         self.dead_groups = set        # () -> tuner ids of groups with no rank left
@@ -218,14 +219,36 @@ class Handler:
     def op_remaining_trials(self):
         return self.oracle.remaining_trials()
 
-    def op_finish(self, tuner_id):
-        """A group is done; True (and the group may leave) once every group is."""
+    def op_finish(self, tuner_id, rank=None):
+        """A rank of a group is done; True (and the rank may leave) once every group is.
+
+        The ranks told so are written down (``drain_path``) before the answer:
+        a rank that takes the oracle over in the end-of-search drain knows who
+        has left and will not ask again.
+        """
         self.stopped.add(tuner_id)
         everyone = {"matex-group-%d" % g for g in range(self.groups)}
         over = everyone <= self.stopped | set(self.dead_groups())
-        if over:
-            self.released.add(tuner_id)
+        if over and rank is not None and rank not in self.released:
+            self.released.add(rank)
+            self.save_drain()
         return over
+
+    def save_drain(self):
+        if self.drain_path is not None:
+            import json
+
+            write_atomically(self.drain_path, json.dumps(sorted(self.released)).encode())
+
+    def load_drain(self) -> set:
+        """The ranks a previous owner told that the search was over (after a takeover)."""
+        import json
+
+        try:
+            with open(self.drain_path) as f:
+                return set(json.load(f))
+        except (OSError, ValueError, TypeError):
+            return set()
 
     def requeue(self, tuner_ids):
         """Trials of groups with no rank left go back to the queue (run again, not counted)."""

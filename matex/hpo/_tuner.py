@@ -27,9 +27,15 @@ the directory on disk is always a consistent state to resume from, and to
 take over from: under ULFM, when the owner dies, the lowest rank alive
 reloads the oracle from it (``Search.take_over``), gives the trials still
 running back to their groups and serves the others, who resend what was not
-acknowledged. At the end every group leader asks the owner whether the whole
-search is over (``finish``), so no group leaves while another may still need
-an owner.
+acknowledged. At the end every rank asks the owner whether the whole search is
+over (``finish``), so no rank leaves while another may still need an owner: a
+rank waiting in a collective could not take the oracle over.
+
+A search never hangs on one rank's error: a trial that raises on one rank of
+its group is recorded failed while its peers are released from the collective
+they wait in (``_groups.finish_trial``); an error of the oracle (Keras Tuner's
+``max_consecutive_failed_trials``, an oracle that raises) or of the service
+ends the search with that error on every rank.
 """
 
 from __future__ import annotations
@@ -47,6 +53,7 @@ from matex.hpo import _service
 from matex.hpo._groups import Groups, finish_trial
 
 FINGERPRINT = "matex_search.json"
+DRAIN = "matex_drain.json"   # the ranks told that the search is over (for a takeover)
 _lock = threading.Lock()
 _installed = False
 _forced = threading.local()   # ranks per trial that minimize() asks for
@@ -314,6 +321,7 @@ class Search:
         self.handler = _service.Handler(self.local, lambda i: get_trial_dir(tuner, i),
                                         self.groups.count)
         self.handler.dead_groups = self._dead_groups
+        self.handler.drain_path = os.path.join(tuner.project_dir, DRAIN)
         return self.handler
 
     def _serve(self, failed=()):
@@ -355,6 +363,10 @@ class Search:
                     len(queue))
         self._handle()
         self.handler.stopped |= lost
+        # in the end-of-search drain: ranks the dead owner let go will not ask again
+        self.handler.released |= self.handler.load_drain()
+        self.handler.stopped |= {group_id(g) for g in range(self.groups.count) if set(
+            self.groups.members(g)) <= self.handler.released | set(dead)}
         if serve:
             self._serve(dead)
         return self.handler
@@ -376,6 +388,7 @@ class Search:
             self._serve()
             self.handler.stopped.clear()
             self.handler.released.clear()
+            self.handler.save_drain()
         self.scratch = None if self.groups.owner else tempfile.mkdtemp(prefix="matex-hpo-")
         self.groups.service.Barrier()
         self.groups.enter()
@@ -386,14 +399,17 @@ class Search:
     def end(self, tuner):
         oracle = tuner.oracle
         oracle.in_search = False
-        if Groups.leader():
-            # every group leader waits until the whole search is over: until then a
-            # group may still have to take the oracle over, or resend a result
-            while not self.client("finish", group_id(self.groups.index)):
-                time.sleep(0.05)
+        # every rank waits until the whole search is over: until then a group may still
+        # have to resend a result, and the oracle's owner may die: the lowest rank alive
+        # then takes it over, leader or not, when its own request fails (a rank waiting in
+        # a collective here could not, and the others would wait for it)
+        me = self.groups.service.Get_rank()
+        while not self.client("finish", group_id(self.groups.index), me):
+            time.sleep(0.05)
         if self.groups.owner:
-            wanted = {group_id(g) for g in range(self.groups.count)}
-            while not wanted <= self.handler.released | self._dead_groups():
+            # answer until every rank alive has its answer
+            everyone = set(range(self.groups.service.Get_size()))
+            while not everyone <= self.handler.released | self.server.failed:
                 time.sleep(0.01)
             self.server.stop()
             self.server = None

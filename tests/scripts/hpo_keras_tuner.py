@@ -23,6 +23,7 @@ rename/replace and removals; h5py's writes are recorded by wrapping h5py.File).
 import hashlib
 import json
 import os
+import signal
 import sys
 
 import h5py
@@ -66,6 +67,22 @@ h5py.File.__init__ = _h5_file
 
 fits = []
 
+if os.environ.get("MATEX_TEST_OWNER_DIES_IN_DRAIN"):
+    # world rank 0, the oracle's owner, dies in the end-of-search drain: on the first
+    # "finish" of its own group, while the other group may still need an owner
+    from matex.hpo import _service
+
+    _finish = _service.Handler.op_finish
+
+    def _dying_finish(self, tuner_id, *args):
+        if world_rank == 0 and tuner_id == "matex-group-0":
+            print("matex: test: the oracle's owner dies in the drain", file=sys.stderr,
+                  flush=True)
+            os.kill(os.getpid(), signal.SIGKILL)
+        return _finish(self, tuner_id, *args)
+
+    _service.Handler.op_finish = _dying_finish
+
 
 def digest(model):
     h = hashlib.sha256()
@@ -99,7 +116,15 @@ def fault_kind():
     return {1: "build", 2: "callback", 0: None}[faulty["n"] % 3]
 
 
+searching = []   # set while tuner.search runs
+
+
 def build(hp):
+    if searching and os.environ.get("MATEX_TEST_KILL_IN_BUILD") == str(world_rank):
+        # this rank dies as its first trial starts; its group's other rank goes on into fit
+        print("matex: injecting fault (test script): rank %d killed in build" % world_rank,
+              file=sys.stderr, flush=True)
+        os.kill(os.getpid(), signal.SIGKILL)
     if fault_kind() == "build" and matex.rank() == 1:
         raise ValueError("boom in build on world rank %d" % world_rank)
     units = hp.Int("units", 4, 64, step=4)
@@ -150,8 +175,10 @@ def make_tuner(name):
 def search_and_record(tuner, name_part):
     fits.clear()
     writes.clear()
+    searching.append(True)
     tuner.search(x, y, validation_split=0.25, epochs=2, batch_size=16, verbose=0,
                  callbacks=[Record()] + ([Faulty()] if faulty["on"] else []))
+    searching.clear()
     faulty["on"] = False   # the best models are built again below
     best = tuner.get_best_hyperparameters(2)
     models = tuner.get_best_models(1)
