@@ -1,7 +1,9 @@
 """Data slicing under real mpiexec: the "already sharded" mark and run-time rank/size.
 
 ``tests/mpi/test_batch_slicing.py`` (2 and 3 ranks) checks the mark on
-tf.data chains and slicing after the communicator is replaced;
+tf.data chains, slicing after the communicator is replaced, and what
+fit/evaluate/predict hand Keras (empty slices and BatchNormalization, a
+model's own train_step, lists of inputs, shuffling of resumed epochs);
 ``tests/scripts/sharded_chains.py`` trains plain Keras on chains after a
 reader and after ``matex.shard`` under ``python -m matex`` and counts, inside
 the model, every sample each rank trained and validated on.

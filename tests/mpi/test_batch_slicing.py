@@ -1,9 +1,14 @@
-"""matex._batch_slicing under mpiexec: the "already sharded" mark, and rank/size read at run time.
+"""matex._batch_slicing under mpiexec: the "already sharded" mark, rank/size read at run time,
+and what fit/evaluate/predict hand Keras on each rank.
 
 The mark must survive any tf.data transformation (else ``fit`` slices a
 second time and trains on 1/N of the data per rank), and slicing must follow
 the communicator in use when a batch is produced (else a pipeline built
-before a shrink keeps slicing for the old number of ranks).
+before a shrink keeps slicing for the old number of ranks). A rank with an
+empty slice must leave BatchNormalization's statistics alone; a model's own
+``train_step`` gets the structure Keras gives it (``x`` alone without
+targets, lists as tuples); a fit resumed from a backup shuffles each epoch
+as an uninterrupted run did.
 """
 
 import tempfile
