@@ -200,3 +200,18 @@ def test_the_service_answers_every_request_even_one_it_cannot_answer():
     # an error of the service itself ends the search on every rank (kept, raised at the end)
     assert handler.fatal == "the oracle's service failed: RuntimeError: request from 3 " \
                             "cannot be read"
+
+
+def test_a_request_that_fails_on_the_owner_ends_the_search_for_every_group(handler, tmp_path):
+    """A trial's files cannot be written: the asking group gets the error, and every other
+    group is told STOPPED (the search then ends with that error on every rank)."""
+    state = handler("create_trial", ("matex-group-0",))
+    state["status"] = "COMPLETED"
+    (tmp_path / "p" / ("trial_" + state["trial_id"])).mkdir(parents=True, exist_ok=True)
+    blocker = tmp_path / "p" / ("trial_" + state["trial_id"]) / "ckpt"
+    blocker.mkdir()   # a directory where the file must go
+    with pytest.raises(OSError):
+        handler("end_trial", (state, {"ckpt": b"weights"}, [(state["trial_id"], {"value": 0.5},
+                                                               0)], "matex-group-0"))
+    assert handler.fatal.startswith("IsADirectoryError: ")
+    assert handler("create_trial", ("matex-group-1",))["status"] == "STOPPED"

@@ -123,9 +123,19 @@ class Handler:
         self.groups = groups
         self.dead_groups = set        # () -> tuner ids of groups with no rank left
 
+    SEARCH_OPS = ("create_trial", "update_trial", "end_trial")
+
     def __call__(self, op, args):
-        with self.lock, batched_writes():
-            return getattr(self, "op_" + op)(*args)
+        try:
+            with self.lock, batched_writes():
+                return getattr(self, "op_" + op)(*args)
+        except Exception as exc:
+            # a search step that failed here (e.g. a trial's files cannot be written):
+            # the asking group raises it now, every other rank when the search ends
+            if op in self.SEARCH_OPS and self.fatal is None:
+                self.fatal = "%s: %s" % (type(exc).__name__, exc)
+                log.error("matex.hpo: the search stops: %s", self.fatal)
+            raise
 
     def _oracle_call(self, method, *args, **kwargs):
         """An oracle method inside the search; its error ends the search on every rank.

@@ -414,13 +414,22 @@ class Search:
             self.server.stop()
             self.server = None
         self.groups.shrink_service()
-        if self.groups.owner and self.handler is None:
-            # the owner died after telling every group that the search was over: every
-            # result is on disk, the new rank 0 reads them for the others
-            self.take_over(set(), serve=False)
-        final = self.groups.service.bcast(
-            self.handler.op_snapshot() if self.groups.owner else None, root=0)
-        self.groups.leave()
+
+        def snapshot():
+            if not self.groups.owner:
+                return None
+            if self.handler is None:
+                # the owner died after telling every rank that the search was over: every
+                # result is on disk, the new rank 0 reads them for the others
+                self.take_over(set(), serve=False)
+            return self.handler.op_snapshot()
+
+        try:
+            final = self.groups.service.bcast(on_every_rank(
+                self.groups.service, snapshot, error_type=SearchError,
+                what="matex.hpo: the search's results"), root=0)
+        finally:
+            self.groups.leave()
         if self.scratch is not None:
             shutil.rmtree(self.scratch, ignore_errors=True)
             self.scratch = None
