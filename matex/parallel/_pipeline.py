@@ -78,6 +78,67 @@ def _agreed(control, function):
     return on_every_rank(control, function, error_type=ValueError)
 
 
+def _own_copy(shared):
+    """A copy of the stage model ``shared`` made of new layers holding copies of its weights.
+
+    ``shared`` is built on the whole model's graph: its layers stay linked to every
+    other stage's layers (and their weights) through the graph's nodes. The copy
+    is linked to nothing else, so once the caller drops the whole model, a rank
+    holds only its own stage's weights. A layer that cannot be re-created from its
+    config keeps the shared stage (with a warning: the whole model stays alive).
+    """
+    from matex.parallel import _tensor
+
+    def fresh(layer):
+        copy = layer.__class__.from_config(layer.get_config())
+        if isinstance(layer, _tensor._TensorParallel):
+            # the same tensor group as the original (not whatever grid is open now)
+            copy._slot, copy.tensor_size, copy.tensor_rank = (
+                layer._slot, layer.tensor_size, layer.tensor_rank)
+        return copy
+
+    try:
+        stage = keras.models.clone_model(shared, clone_function=fresh)
+        for layer in stage.layers:
+            if layer.weights:
+                layer.set_weights(shared.get_layer(layer.name).get_weights())
+    except Exception as exc:  # noqa: BLE001 - a custom layer's config; keep the shared stage
+        import logging
+
+        logging.getLogger("matex").warning(
+            "matex.parallel: cannot copy stage %s from its layers' configs (%s: %s); this "
+            "rank keeps the whole model's weights alive", shared.name, type(exc).__name__, exc)
+        return shared
+    return stage
+
+
+def _weightless_config(model):
+    """``model``'s serialized config as plain Keras: ``StageBoundary`` layers become
+    ``Identity``, tensor-parallel layers the ``Dense`` / ``Conv2D`` they split (their
+    whole sizes), no compile settings. Deserializing it gives the whole model with
+    fresh weights; keeping it holds no weights."""
+    from matex.parallel import _tensor
+
+    config = keras.saving.serialize_keras_object(model)
+    config.pop("compile_config", None)
+    plain = {}
+    for layer in model.layers:
+        if isinstance(layer, StageBoundary):
+            plain[layer.name] = keras.layers.Identity(name=layer.name)
+        elif isinstance(layer, _tensor._TensorParallel):
+            cls, layer_config = _tensor._plain_config(layer)
+            plain[layer.name] = cls.from_config(layer_config)
+    for entry in config["config"]["layers"]:
+        name = entry.get("config", {}).get("name")
+        if name in plain:
+            entry.update({key: value for key, value in
+                          keras.saving.serialize_keras_object(plain[name]).items()
+                          if key in ("module", "class_name", "config", "registered_name")})
+            # built for a shard's (or no) shape; built again from the graph's shapes
+            entry.pop("build_config", None)
+    return config
+
+
 def _nbytes(variables):
     return int(sum(np.prod(v.shape) * np.dtype(v.dtype).itemsize for v in variables))
 
@@ -199,10 +260,19 @@ class PipelineModel(keras.Model):
         self._synced = False
         self._input_shape = None
         self.stage = None
+        # the whole model's structure, without weights: what gather_model rebuilds
+        try:
+            whole_config = _weightless_config(model)
+        except Exception as exc:  # noqa: BLE001 - only gather_model/save need it
+            whole_config = exc
+        object.__setattr__(self, "_whole_config", whole_config)
         if plan.built:
             self.stage = self._stage_of_graph(model, plan)
             self._learn_output_specs()
             self.built = True
+            # keep no reference to the whole model: the stage holds its own copies of
+            # this rank's layers, so the other stages' weights can be freed
+            object.__setattr__(self, "_full", None)
         self._matex_explicit = True   # matex.keras leaves data and optimizer to us
 
     # ---- stages --------------------------------------------------------------
@@ -217,7 +287,8 @@ class PipelineModel(keras.Model):
             outputs = model.outputs[0] if len(model.outputs) == 1 else list(model.outputs)
         else:
             outputs = model.get_layer(plan.starts[k + 1]).input
-        return keras.Model(inputs, outputs, name="%s_stage%d" % (model.name, k))
+        shared = keras.Model(inputs, outputs, name="%s_stage%d" % (model.name, k))
+        return _own_copy(shared)
 
     def build(self, input_shape):
         """Build an unbuilt Sequential's stage for inputs of ``input_shape`` (this rank only)."""
@@ -669,7 +740,7 @@ class PipelineModel(keras.Model):
             if L.data_rank != 0:
                 return mine
             for name in self.plan.stage_layers[L.pipeline_rank]:
-                layer = self._full.get_layer(name)
+                layer = self.stage.get_layer(name)
                 if isinstance(layer, _tensor._TensorParallel):
                     if L.grid is None:
                         raise ValueError(
@@ -702,17 +773,11 @@ class PipelineModel(keras.Model):
 
     def _assembled(self, weights):
         """The whole model as plain Keras, with ``weights`` (layer name -> arrays)."""
-        from matex.parallel import _tensor
-
-        def clone(layer):
-            if isinstance(layer, StageBoundary):
-                return keras.layers.Identity(name=layer.name)
-            if isinstance(layer, _tensor._TensorParallel):
-                cls, config = _tensor._plain_config(layer)
-                return cls.from_config(config)
-            return layer.__class__.from_config(layer.get_config())
-
-        whole = keras.models.clone_model(self._full, clone_function=clone)
+        if isinstance(self._whole_config, Exception):
+            raise ValueError("matex.parallel: the model's config cannot be serialized, so "
+                             "the whole model cannot be rebuilt: %s: %s"
+                             % (type(self._whole_config).__name__, self._whole_config))
+        whole = keras.saving.deserialize_keras_object(self._whole_config)
         if not whole.built:
             whole.build(self._input_shape)
         for layer in whole.layers:

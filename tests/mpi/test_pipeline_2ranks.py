@@ -219,3 +219,42 @@ def test_a_save_that_fails_on_rank_0_fails_on_every_rank():
     pm = compile_(PipelineModel(mlp(2), microbatches=2))
     with pytest.raises(RuntimeError, match=r"saving /dev/null/x.keras: rank 0: "):
         pm.save("/dev/null/x.keras")
+
+
+def test_a_rank_holds_only_its_stage_of_a_built_model():
+    # Built from an already-built model, a rank keeps copies of its own stage's layers
+    # and no reference to the whole model: once the caller drops it, the other stage's
+    # weights are freed (before, the PipelineModel kept the whole model alive while
+    # stage_bytes() reported one stage).
+    import gc
+    import weakref
+
+    model = mlp(2)
+    mine = {"h0", "h1"} if R == 0 else {"h2", "h3", "out"}
+    others = [weakref.ref(v) for layer in model.layers if layer.weights
+              and layer.name not in mine for v in layer.weights]
+    expected = {layer.name: [np.asarray(w) for w in layer.weights]
+                for layer in model.layers if layer.name in mine}
+    assert len(others) == (6 if R == 0 else 4)
+    pm = compile_(PipelineModel(model, microbatches=2))
+    del model
+    gc.collect()
+    assert [r for r in others if r() is not None] == []
+    held = {layer.name for layer in pm.stage.layers if layer.weights}
+    assert held == mine
+    for name, weights in expected.items():   # the copies hold the model's weights
+        for a, b in zip(pm.stage.get_layer(name).weights, weights):
+            np.testing.assert_array_equal(np.asarray(a), b)
+    assert pm.stage_bytes() == sum(w.nbytes for ws in expected.values() for w in ws)
+    # it still trains like the whole model and saves it whole
+    x, y = regression((6,))
+    ref = compile_(mlp(2))
+    h = pm.fit(x, y, batch_size=BATCH, epochs=1, shuffle=False, verbose=0)
+    href = ref.fit(x, y, batch_size=BATCH, epochs=1, shuffle=False, verbose=0)
+    np.testing.assert_allclose(h.history["loss"], href.history["loss"], rtol=1e-4)
+    whole = pm.gather_model(0)
+    if R == 0:
+        assert [type(layer).__name__ for layer in whole.layers] == [
+            "Dense", "Dense", "Identity", "Dense", "Dense", "Dense"]
+        np.testing.assert_allclose(whole.predict(x, verbose=0), ref.predict(x, verbose=0),
+                                   rtol=1e-4, atol=1e-6)
