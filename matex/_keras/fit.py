@@ -7,6 +7,7 @@ the epoch re-divided among them.
 """
 
 import functools
+import logging
 
 import keras
 import tensorflow as tf
@@ -17,6 +18,8 @@ from matex._keras.calls import bind, call
 from matex._keras.metrics import AverageMovingStatistics
 from matex._keras.output import explicit, quiet, rank0_callbacks
 from matex.errors import MismatchError, is_mismatch
+
+_log = logging.getLogger(__name__)
 
 
 class _StepBegin(keras.callbacks.Callback):
@@ -144,13 +147,22 @@ def _build_before_training(model, x, y, sample_weight):
     optimizer = getattr(model, "optimizer", None)
     if optimizer is None:
         return
+    batch = None
     if isinstance(x, tf.data.Dataset):
-        _compat.symbolic_build(model, x.element_spec)   # model, metrics, loss, optimizer
+        batch = x.element_spec
     elif _batch_slicing.is_array_input(x):
-        _compat.symbolic_build(model, tuple(
-            tf.nest.map_structure(lambda a: a[:1], part) if part is not None else None
-            for part in (x, y, sample_weight)))
-    elif not optimizer.built and all(layer.built for layer in _compat.flatten_layers(model)):
+        batch = tuple(tf.nest.map_structure(lambda a: a[:1], part) if part is not None else None
+                      for part in (x, y, sample_weight))
+    if batch is not None:
+        try:
+            _compat.symbolic_build(model, batch)   # model, metrics, loss, optimizer
+            return
+        except (ValueError, RuntimeError, TypeError) as exc:
+            # a model Keras cannot build from shapes alone (Python control flow on
+            # values): it builds while the first step is traced, as without MaTEx
+            _log.debug("matex: building %s before fit failed (%s); Keras builds it in the "
+                       "first step", type(model).__name__, exc)
+    if not optimizer.built and all(layer.built for layer in _compat.flatten_layers(model)):
         optimizer.build(model.trainable_variables)
 
 
