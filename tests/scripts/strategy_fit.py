@@ -15,8 +15,9 @@ each: fit with validation data, evaluate, predict;
 * ``loop``: a custom loop under ``MirroredStrategy()`` (``strategy.run`` in a
   ``tf.function``, ``optimizer.apply_gradients`` in the replica context),
   each process on its share of every batch (rows ``rank::size``; alone: all);
-* ``central``: compiling under ``CentralStorageStrategy`` (not one MaTEx
-  supports across ranks): the outcome is recorded.
+* ``central``, ``central_loop``: compiling under ``CentralStorageStrategy``
+  (not one MaTEx supports across ranks), and a custom loop's step under it:
+  the outcomes are recorded.
 
 Also records TF_CONFIG as the script sees it, and the MWMS cluster.
 
@@ -73,24 +74,35 @@ for seed, (kind, strategy) in enumerate([
         "evaluate": model.evaluate(x_val, y_val, batch_size=8, verbose=0),
         "predict": model.predict(x_val, batch_size=8, verbose=0).tolist()}
 
+def train_step_of(strategy, model, optimizer):
+    """A custom loop's step: ``strategy.run`` in a tf.function, apply in the replica context."""
+    @tf.function
+    def train_step(xb, yb):
+        def replica_step(xb, yb):
+            with tf.GradientTape() as tape:
+                loss = tf.reduce_mean((model(xb, training=True) - yb) ** 2)
+            grads = tape.gradient(loss, model.trainable_variables)
+            optimizer.apply_gradients(zip(grads, model.trainable_variables))
+            return loss
+        return strategy.run(replica_step, args=(xb, yb))
+    return train_step
+
+
+def outcome(fn):
+    """"ok", or the error ``fn`` raised (the outcome is the result)."""
+    try:
+        fn()
+        return "ok"
+    except Exception as exc:   # noqa: BLE001
+        return "%s: %s" % (type(exc).__name__, exc)
+
+
 strategy = tf.distribute.MirroredStrategy()
 with strategy.scope():
     model = build(7)
     optimizer = keras.optimizers.SGD(0.1, momentum=0.5)
 initial = weights(model)
-
-
-@tf.function
-def train_step(xb, yb):
-    def replica_step(xb, yb):
-        with tf.GradientTape() as tape:
-            loss = tf.reduce_mean((model(xb, training=True) - yb) ** 2)
-        grads = tape.gradient(loss, model.trainable_variables)
-        optimizer.apply_gradients(zip(grads, model.trainable_variables))
-        return loss
-    return strategy.run(replica_step, args=(xb, yb))
-
-
+train_step = train_step_of(strategy, model, optimizer)
 for epoch in range(2):
     for start in range(0, 64, 16):
         train_step(x[start:start + 16][rank::size], y[start:start + 16][rank::size])
@@ -98,13 +110,18 @@ results["loop"] = {"replicas": strategy.num_replicas_in_sync, "initial": initial
                    "weights": weights(model), "iterations": int(optimizer.iterations.numpy())}
 
 central = tf.distribute.experimental.CentralStorageStrategy()
-try:
+with central.scope():
+    model = build(8)
+    optimizer = keras.optimizers.SGD(0.1)
+
+
+def central_compile():
     with central.scope():
-        model = build(8)
         model.compile(optimizer="sgd", loss="mse")
-    results["central"] = "ok"
-except Exception as exc:   # noqa: BLE001 - the outcome is the result
-    results["central"] = "%s: %s" % (type(exc).__name__, exc)
+
+
+results["central"] = outcome(central_compile)
+results["central_loop"] = outcome(lambda: train_step_of(central, model, optimizer)(x[:16], y[:16]))
 
 with open("%s.%d" % (out, rank), "w") as f:
     json.dump(results, f)
