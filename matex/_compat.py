@@ -212,6 +212,7 @@ def disable_backup_writes(callback):
 
 
 MOMENTS_SYNC_NAME = "_compute_moments_sync"   # what moments(..., synchronized=True) calls
+MOMENTS_NAME = "_compute_moments"             # what moments(..., synchronized=False) calls
 
 
 def keras_tf_nn():

@@ -27,10 +27,11 @@ Layers without ``synchronized=True`` keep per-rank statistics (averaged over
 ranks once per epoch by ``fit``, ``metrics.AverageMovingStatistics``). A rank
 whose slice of a global batch is empty (17 rows in batches of 8 on 3 ranks:
 the last batch has one row) leaves its moving statistics as they were
-and gets zero gradients (``install`` patches ``BatchNormalization.call``):
-Keras's moments of zero rows are 0/0 = NaN, which it would fold into the
-moving mean and variance and into ``gamma``'s gradient, and the per-epoch
-average and the gradient allreduce would carry the NaN to every rank.
+and gets zero gradients (``install`` patches ``BatchNormalization.call`` and
+the backend's per-rank moments): Keras's moments of zero rows are 0/0 = NaN,
+which it would fold into the moving mean and variance and into ``gamma``'s
+gradient, and the per-epoch average and the gradient allreduce would carry
+the NaN to every rank.
 Inside a real ``tf.distribute`` strategy, and in a single process, Keras's own
 function runs. Not covered: a call with a ``mask`` (Keras computes masked
 moments itself, never synchronised) and XLA (``jit_compile=True``: the
@@ -161,25 +162,50 @@ class weighted_by:
 
 # ---- an empty slice leaves the state alone ------------------------------------
 
-def _empty_batch_as_inference(original):
-    """``BatchNormalization.call`` that treats an empty training batch as inference.
+def _moments_of_empty_are_zero(original):
+    """Keras's per-rank moments, with 0 (not 0/0 = NaN) for an input with no values.
 
-    On zero rows Keras's batch moments are 0/0 = NaN: they would go into the
-    moving statistics and, through the normalisation's gradient (0 * NaN),
-    into ``gamma``. An empty batch instead runs the inference branch (moving
-    statistics, no update): the output is empty either way, the state stays
-    as it was and the gradients are zero. Synchronised layers on several
-    ranks are left alone: their moments are the global batch's, the same on
-    every rank, and every rank must apply them to stay equal.
+    On several ranks only (a slice can be empty there; one process keeps
+    Keras's function as it is). Finite moments keep the normalisation of an
+    empty slice, and so ``gamma``'s gradient (0 * NaN otherwise), finite;
+    ``_keep_state_on_empty_batch`` keeps the moving statistics from taking
+    them in.
+    """
+    def compute_moments(x, axes, keepdims):
+        mean, variance = original(x, axes, keepdims)
+        if _runtime.size() == 1:
+            return mean, variance
+        empty = tf.equal(tf.size(x), 0)
+        return (tf.where(empty, tf.zeros_like(mean), mean),
+                tf.where(empty, tf.zeros_like(variance), variance))
+
+    compute_moments._matex_original = original
+    return compute_moments
+
+
+def _keep_state_on_empty_batch(original):
+    """``BatchNormalization.call`` that leaves the layer's state as it was after an empty batch.
+
+    The state (moving mean and variance; with ``renorm`` also its moving mean
+    and standard deviation) is read before Keras updates it and selected
+    back when the batch has no values. Plain reads and selects, no
+    ``tf.cond`` (which traced the layer twice: 3x the trace time). Synchronised
+    layers are left alone: their moments are the global batch's, the same
+    on every rank, and every rank must apply them to stay equal. One process
+    (whose batches are never empty) runs Keras's call unchanged.
     """
     @functools.wraps(original)
     def call(self, inputs, training=None, mask=None):
-        if (not (training and self.trainable)
-                or (self.synchronized and _runtime.size() > 1)):
+        if (not (training and self.trainable) or _runtime.size() == 1
+                or self.synchronized):
             return original(self, inputs, training=training, mask=mask)
-        return tf.cond(tf.equal(tf.size(inputs), 0),
-                       lambda: original(self, inputs, training=False, mask=mask),
-                       lambda: original(self, inputs, training=training, mask=mask))
+        state = list(self.non_trainable_variables)
+        before = [tf.identity(v.value) for v in state]   # ordered before Keras's assigns
+        outputs = original(self, inputs, training=training, mask=mask)
+        empty = tf.equal(tf.size(inputs), 0)
+        for v, old in zip(state, before):
+            v.assign(tf.where(empty, old, v.value))
+        return outputs
 
     return call
 
@@ -201,9 +227,12 @@ def install() -> None:
                          "uses per-rank statistics", nn.__name__, name)
         elif getattr(original, "_matex_original", None) is None:
             setattr(nn, name, _moments_sync(original))
+        moments = getattr(nn, _compat.MOMENTS_NAME, None)
+        if moments is not None and getattr(moments, "_matex_original", None) is None:
+            setattr(nn, _compat.MOMENTS_NAME, _moments_of_empty_are_zero(moments))
         import keras
 
         from matex._keras.calls import patch
 
-        patch(keras.layers.BatchNormalization, "call", _empty_batch_as_inference)
+        patch(keras.layers.BatchNormalization, "call", _keep_state_on_empty_batch)
         _installed = True
