@@ -8,6 +8,8 @@
 #include <chrono>
 #include <climits>
 #include <cstring>
+#include <map>
+#include <memory>
 #include <mutex>
 #include <sstream>
 #include <type_traits>
@@ -18,8 +20,12 @@
 namespace matex {
 namespace internal {
 
-std::mutex g_comm_mutex;              // guards g_comms
+std::mutex g_comm_mutex;              // guards g_comms and the three below
 std::intptr_t g_comms[kMaxCommSlots] = {0};
+std::shared_ptr<CommFlight> g_comm_flights[kMaxCommSlots];   // each slot's flight state
+std::vector<std::shared_ptr<CommFlight>> g_retired;         // the last ones replaced
+std::map<uint64_t, int64_t> g_installed;   // members' hash -> communicators installed with them
+constexpr size_t kRetiredKept = 16;
 std::mutex g_collective_mutexes[kMaxCommSlots];   // one collective at a time per communicator
 std::atomic<bool> g_check{true};
 std::atomic<int64_t> g_calls{0};
@@ -52,6 +58,53 @@ Status MpiFailure(int rc, const char* what) {
 }
 
 void CountCall() { g_calls.fetch_add(1, std::memory_order_relaxed); }
+
+// FNV-1a over `n` bytes, continuing from `h`.
+uint64_t Fnv(uint64_t h, const void* data, size_t n) {
+  const unsigned char* p = static_cast<const unsigned char*>(data);
+  for (size_t i = 0; i < n; ++i) {
+    h ^= p[i];
+    h *= 1099511628211ULL;
+  }
+  return h;
+}
+
+// A new communicator's flight state (caller holds g_comm_mutex). Only local
+// MPI calls: its members' world ranks, and this process's count of
+// communicators with those members (every member installs the same ones, in
+// the same order, since making a communicator is collective).
+std::shared_ptr<CommFlight> NewCommFlight(MPI_Comm comm) {
+  auto f = std::make_shared<CommFlight>();
+  MPI_Group group, world;
+  int size = 0;
+  if (MPI_Comm_size(comm, &size) == MPI_SUCCESS && size > 0 &&
+      MPI_Comm_group(comm, &group) == MPI_SUCCESS) {
+    if (MPI_Comm_group(MPI_COMM_WORLD, &world) == MPI_SUCCESS) {
+      std::vector<int> ranks(size_t(size), 0);
+      for (int i = 0; i < size; ++i) ranks[size_t(i)] = i;
+      f->members.assign(size_t(size), MPI_UNDEFINED);
+      if (MPI_Group_translate_ranks(group, size, ranks.data(), world,
+                                    f->members.data()) != MPI_SUCCESS) {
+        f->members.clear();
+      }
+      MPI_Group_free(&world);
+    }
+    MPI_Group_free(&group);
+  }
+  uint64_t h = Fnv(1469598103934665603ULL, f->members.data(),
+                   f->members.size() * sizeof(int));
+  const int64_t count = ++g_installed[h];
+  f->id = Fnv(h, &count, sizeof(count));
+  return f;
+}
+
+std::shared_ptr<CommFlight> CommFlightOf(MPI_Comm comm) {
+  std::lock_guard<std::mutex> lock(g_comm_mutex);
+  for (int s = 0; s < kMaxCommSlots; ++s) {
+    if (g_comms[s] != 0 && HandleTo<MPI_Comm>(g_comms[s]) == comm) return g_comm_flights[s];
+  }
+  return nullptr;
+}
 
 Status CurrentComm(MPI_Comm* comm, int slot) {
   if (slot < 0 || slot >= kMaxCommSlots) {
@@ -310,7 +363,24 @@ std::intptr_t GetCommunicator() { return GetCommunicatorSlot(0); }
 void SetCommunicatorSlot(int slot, std::intptr_t handle) {
   if (slot < 0 || slot >= kMaxCommSlots) return;
   std::lock_guard<std::mutex> lock(g_comm_mutex);
+  if (g_comms[slot] == handle) return;   // the same communicator again: same flight state
+  std::shared_ptr<CommFlight> old = std::move(g_comm_flights[slot]);
   g_comms[slot] = handle;
+  g_comm_flights[slot] = nullptr;
+  if (handle != 0) {
+    for (int s = 0; s < kMaxCommSlots; ++s) {   // already in another slot: one communicator
+      if (s != slot && g_comms[s] == handle) g_comm_flights[slot] = g_comm_flights[s];
+    }
+    if (!g_comm_flights[slot]) g_comm_flights[slot] = NewCommFlight(ToComm(handle));
+  }
+  if (old) {
+    for (int s = 0; s < kMaxCommSlots; ++s) {
+      if (g_comm_flights[s] == old) return;   // still in use
+    }
+    old->current = false;
+    g_retired.push_back(old);
+    if (g_retired.size() > kRetiredKept) g_retired.erase(g_retired.begin());
+  }
 }
 
 std::intptr_t GetCommunicatorSlot(int slot) {
@@ -339,6 +409,33 @@ std::vector<FlightEntry> FlightEntries() {
   }
   std::sort(out.begin(), out.end(),
             [](const FlightEntry& a, const FlightEntry& b) { return a.seq < b.seq; });
+  return out;
+}
+
+std::vector<FlightComm> FlightComms() {
+  std::vector<FlightComm> out;
+  std::lock_guard<std::mutex> lock(g_comm_mutex);
+  auto add = [&](const std::shared_ptr<CommFlight>& f, int slot) {
+    for (FlightComm& c : out) {
+      if (c.id == f->id && c.current == f->current) {
+        if (slot >= 0) c.slots.push_back(slot);
+        return;
+      }
+    }
+    FlightComm c;
+    c.id = f->id;
+    c.members = f->members;
+    c.seq = f->seq.load(std::memory_order_relaxed);
+    c.pending_seq = f->pending_seq.load(std::memory_order_relaxed);
+    c.pending_since = f->pending_since.load(std::memory_order_relaxed);
+    c.current = f->current;
+    if (slot >= 0) c.slots.push_back(slot);
+    out.push_back(std::move(c));
+  };
+  for (int s = 0; s < kMaxCommSlots; ++s) {
+    if (g_comm_flights[s]) add(g_comm_flights[s], s);
+  }
+  for (auto it = g_retired.rbegin(); it != g_retired.rend(); ++it) add(*it, -1);
   return out;
 }
 

@@ -11,6 +11,7 @@
 #include <algorithm>
 #include <atomic>
 #include <cstring>
+#include <memory>
 #include <mutex>
 #include <sstream>
 #include <string>
@@ -65,6 +66,23 @@ Status AllreduceInto(MPI_Comm comm, const void* in, void* data, int64_t count,
 uint64_t SignatureHash(Kind kind, DataType dtype, int64_t param, const Shapes& shapes);
 std::string SignatureText(Kind kind, DataType dtype, int64_t param, const Shapes& shapes);
 
+// One communicator's flight state: its id (equal on all its members without
+// communication: a hash of its members' world ranks and of how many
+// communicators with those members this process had installed before) and
+// its own count of collectives, since each communicator has its own order.
+struct CommFlight {
+  uint64_t id = 0;
+  std::vector<int> members;                  // world ranks, in communicator rank order
+  std::atomic<int64_t> seq{0};               // collectives started on it
+  std::atomic<int64_t> pending_seq{0};       // the collective waiting now (0: none)
+  std::atomic<double> pending_since{0.0};    // since when it waits (0: none)
+  bool current = true;                       // still in a slot (guarded by the slot table's lock)
+};
+
+// The flight state of `comm`, one of the communicators in the slots (null when
+// it is in none: replaced meanwhile).
+std::shared_ptr<CommFlight> CommFlightOf(MPI_Comm comm);
+
 extern std::atomic<bool> g_check;
 extern std::mutex g_flight_mutex;
 extern std::vector<FlightEntry> g_ring;
@@ -76,16 +94,27 @@ double Now();
 
 // One collective's entry: opened at its start, stamped when all ranks agreed,
 // closed with its outcome. Holds the ring's lock only to copy in or update.
+// `ordered`: a collective, counted in its communicator's order (comm_seq);
+// point-to-point transfers are not (only the two peers take part), their
+// comm_seq is 0.
 class FlightRecord {
  public:
   FlightRecord(MPI_Comm comm, Kind kind, DataType dtype, int64_t param, const Shapes& shapes,
-               uint64_t signature) {
+               uint64_t signature, bool ordered = true) {
     seq_ = g_seq.fetch_add(1, std::memory_order_relaxed) + 1;
     const double now = Now();
     g_pending_since.store(now, std::memory_order_relaxed);
+    comm_ = CommFlightOf(comm);
+    if (comm_ && ordered) {
+      comm_seq_ = comm_->seq.fetch_add(1, std::memory_order_relaxed) + 1;
+      comm_->pending_seq.store(comm_seq_, std::memory_order_relaxed);
+      comm_->pending_since.store(now, std::memory_order_relaxed);
+    }
     if (g_flight_capacity.load(std::memory_order_relaxed) == 0) return;
     FlightEntry e;
     e.seq = seq_;
+    e.comm_id = comm_ ? comm_->id : 0;
+    e.comm_seq = comm_seq_;
     e.kind = int(kind);
     e.dtype = int(dtype);
     e.param = param;
@@ -124,6 +153,12 @@ class FlightRecord {
 
   Status Done(Status s) {
     g_pending_since.store(0.0, std::memory_order_relaxed);
+    if (comm_seq_ > 0) {
+      int64_t expected = comm_seq_;   // a later collective's wait stays visible
+      if (comm_->pending_seq.compare_exchange_strong(expected, 0)) {
+        comm_->pending_since.store(0.0, std::memory_order_relaxed);
+      }
+    }
     if (!recording_) return s;
     int state = int(FlightState::kOk);
     if (s.kind == Status::Kind::kMismatch) state = int(FlightState::kMismatch);
@@ -139,6 +174,10 @@ class FlightRecord {
     return s;
   }
 
+  // The communicator's flight state (may be null) and this collective's number on it.
+  const std::shared_ptr<CommFlight>& comm() const { return comm_; }
+  int64_t comm_seq() const { return comm_seq_; }
+
  private:
   template <typename F>
   void Update(F f) {
@@ -149,6 +188,8 @@ class FlightRecord {
   }
 
   int64_t seq_ = 0;
+  std::shared_ptr<CommFlight> comm_;
+  int64_t comm_seq_ = 0;
   bool recording_ = false;
 };
 
@@ -220,6 +261,8 @@ class Agreement {
 
   // Record `bytes` as what this rank sent in the flight entry (default: its input's bytes).
   void SetBytes(int64_t bytes) { flight_.SetBytes(bytes); }
+
+  const FlightRecord& flight() const { return flight_; }
 
  private:
   MPI_Comm comm_;

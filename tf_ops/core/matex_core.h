@@ -136,6 +136,9 @@ enum class FlightState : int { kPending = 0, kOk = 1, kMismatch = 2, kMpiError =
 
 struct FlightEntry {
   int64_t seq = 0;            // 1, 2, ...: every collective of this process, in order
+  uint64_t comm_id = 0;       // the communicator (FlightComm::id; 0: unknown)
+  int64_t comm_seq = 0;       // 1, 2, ...: the collectives on that communicator, in order
+                              // (what compares across its members; 0: point-to-point)
   int kind = 0;               // internal::Kind: 1 allreduce ... 4 allgather, 5.. p2p/sparse
   int dtype = 0;              // DataType
   int64_t param = 0;          // ReduceOp, or the broadcast root
@@ -151,6 +154,26 @@ struct FlightEntry {
   int mpi_error_class = 0;
   char site[96] = {0};        // TF node name, or Python file:line (see SetFlightSite)
 };
+
+// A communicator the collectives used: its id, equal on all its members (a
+// hash of the members' world ranks and of how many communicators with the
+// same members this process installed before it, so assigned without
+// communication when it is put in a slot), its members' ranks in
+// MPI_COMM_WORLD, the number of collectives started on it, and the one
+// waiting now (its number and start; 0 when none). Each communicator has its
+// own order of collectives: only numbers on the same communicator compare
+// across ranks.
+struct FlightComm {
+  uint64_t id = 0;
+  std::vector<int> members;
+  int64_t seq = 0;
+  int64_t pending_seq = 0;
+  double pending_since = 0;
+  bool current = false;       // still in a slot (else one it replaced, kept for dumps)
+  std::vector<int> slots;     // the slots it is in now
+};
+// The communicators in the slots, then the last few they replaced.
+std::vector<FlightComm> FlightComms();
 
 // Keep the last `capacity` collectives (0: record none). Clears the buffer.
 void SetFlightCapacity(int capacity);

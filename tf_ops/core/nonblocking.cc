@@ -32,6 +32,8 @@ struct Pending {
   int size = 1;                        // communicator size at start (for kAverage)
   bool done = false;                   // every request completed (guarded by `mpi`)
   Status status;                       // their outcome, once done
+  std::shared_ptr<internal::CommFlight> comm;   // its communicator's flight state (may be null)
+  int64_t comm_seq = 0;                // its number on that communicator
 };
 
 std::mutex g_table_mutex;              // guards the three below
@@ -132,6 +134,8 @@ Status IallreduceStart(const std::vector<TensorRef>& ins, DataType dtype, Reduce
   const size_t esize = DataTypeSize(dtype);
   std::lock_guard<std::mutex> serial(internal::CollectiveMutex(slot));
   internal::Agreement check(comm, Kind::kIallreduce, dtype, int64_t(op), shapes);
+  p->comm = check.flight().comm();
+  p->comm_seq = check.flight().comm_seq();
   s = check.Done([&] {
     Status s = check.Start();   // packing below overlaps the check
     if (!s.ok()) return s;
@@ -204,14 +208,26 @@ Status IallreduceWait(int64_t handle, const std::vector<void*>& outs,
     return Status::Invalid("non-blocking allreduce: " + std::to_string(outs.size()) +
                            " outputs for " + std::to_string(p->shapes.size()) + " tensors");
   }
-  // The stall inspector sees a wait that never ends as a pending collective.
-  internal::g_pending_since.store(internal::Now(), std::memory_order_relaxed);
+  // The stall inspector sees a wait that never ends as a pending collective
+  // (on its communicator, under its number there).
+  const double since = internal::Now();
+  internal::g_pending_since.store(since, std::memory_order_relaxed);
+  if (p->comm && p->comm_seq > 0) {
+    p->comm->pending_seq.store(p->comm_seq, std::memory_order_relaxed);
+    p->comm->pending_since.store(since, std::memory_order_relaxed);
+  }
   Status s;
   {
     std::lock_guard<std::mutex> lock(p->mpi);
     s = WaitLocked(p.get());
   }
   internal::g_pending_since.store(0.0, std::memory_order_relaxed);
+  if (p->comm && p->comm_seq > 0) {
+    int64_t expected = p->comm_seq;
+    if (p->comm->pending_seq.compare_exchange_strong(expected, 0)) {
+      p->comm->pending_since.store(0.0, std::memory_order_relaxed);
+    }
+  }
   if (!s.ok()) return s;
   int64_t total = 0;
   for (const auto& shape : p->shapes) {

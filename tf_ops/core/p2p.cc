@@ -179,7 +179,8 @@ Status Transfer(Kind kind, std::vector<Leg>& legs, int tag, int slot) {
   for (const Leg& leg : legs) shapes.push_back(leg.shape);
   const Shapes first = {legs[0].shape};
   FlightRecord flight(comm, kind, legs[0].dtype, legs[0].peer, shapes,
-                      SignatureHash(Kind::kSend, legs[0].dtype, 0, first));
+                      SignatureHash(Kind::kSend, legs[0].dtype, 0, first),
+                      /*ordered=*/false);   // only the peers take part: no communicator order
   return flight.Done([&] {
     std::vector<MPI_Request> requests;
     if (g_check.load(std::memory_order_relaxed)) {

@@ -6,6 +6,7 @@
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
 
+#include <cstdio>
 #include <cstring>
 #include <string>
 #include <vector>
@@ -80,9 +81,18 @@ class PySite {
   std::string text_;
 };
 
+// A communicator id as text (16 hex digits): JSON and JavaScript keep it whole.
+std::string CommId(uint64_t id) {
+  char text[17];
+  std::snprintf(text, sizeof(text), "%016llx", static_cast<unsigned long long>(id));
+  return text;
+}
+
 py::dict EntryDict(const matex::FlightEntry& e) {
   py::dict d;
   d["seq"] = e.seq;
+  d["comm"] = CommId(e.comm_id);
+  d["comm_seq"] = e.comm_seq;
   d["kind"] = e.kind;
   d["dtype"] = matex::DataTypeName(static_cast<matex::DataType>(e.dtype));
   d["param"] = e.param;
@@ -217,6 +227,21 @@ PYBIND11_MODULE(_matex_core, m) {
     std::vector<matex::FlightEntry> entries = matex::FlightEntries();
     py::list out;
     for (const auto& e : entries) out.append(EntryDict(e));
+    return out;
+  });
+  m.def("flight_comms", [] {
+    py::list out;
+    for (const auto& c : matex::FlightComms()) {
+      py::dict d;
+      d["comm"] = CommId(c.id);
+      d["members"] = c.members;
+      d["seq"] = c.seq;
+      d["pending_seq"] = c.pending_seq;
+      d["pending_since"] = c.pending_since;
+      d["current"] = c.current;
+      d["slots"] = c.slots;
+      out.append(d);
+    }
     return out;
   });
   m.def("comm_info", [](int comm) {
