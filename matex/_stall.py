@@ -12,8 +12,10 @@ One daemon thread per rank wakes every second or so (more often for short
   Python stack of every thread;
 * inspects its own collective: when one has waited longer than
   ``MATEX_STALL_WARNING_S``, it posts a request, waits briefly for the other
-  ranks' dumps and prints one line naming the collective, the ranks that have
-  not arrived (their sequence number is lower) and what each is doing. After
+  members' dumps and prints one line naming the collective and its
+  communicator, the members that have not arrived (their count of
+  collectives on that communicator is lower: each communicator has its own
+  order) and what each is doing. After
   ``MATEX_STALL_ABORT_S`` it ends the job (``MPI_Abort``) with that report.
 
 Exchanging through files keeps this working whatever a rank is blocked in; on
@@ -113,7 +115,7 @@ class Watchdog(threading.Thread):
         self.rank = _config.launched_rank()
         self.size = _config.launched_size() or 1
         self.answered = time.time()   # requests older than our start are not ours
-        self.reported = 0             # sequence number of the last stall reported
+        self.reported = None          # (communicator, number) of the last stall reported
 
     def run(self):
         while True:
@@ -128,13 +130,19 @@ class Watchdog(threading.Thread):
             path = _recorder.dump("SIGUSR1")
             sys.stderr.write("matex: rank %d: flight recorder dumped to %s\n" % (self.rank, path))
         self.answer()
-        since = self.core.flight_pending_since()
-        if not since or not (self.warning or self.abort):
+        if not self.core.flight_pending_since() or not (self.warning or self.abort):
+            return   # nothing waits (one atomic read)
+        # the collective waiting longest, on its communicator; none: a point-to-point wait
+        waiting = [c for c in self.core.flight_comms() if c["pending_since"] and c["current"]]
+        comm = min(waiting, key=lambda c: c["pending_since"]) if waiting else None
+        since = comm["pending_since"] if comm else self.core.flight_pending_since()
+        if not since:
             return
         waited = time.time() - since
-        seq = self.core.flight_sequence()
+        seq = comm["pending_seq"] if comm else self.core.flight_sequence()
+        key = (comm["comm"] if comm else None, seq)
         if self.abort and waited >= self.abort:
-            line = self.inspect(seq, waited, "stall abort")
+            line = self.inspect(comm, seq, waited, "stall abort")
             sys.stderr.write(line + "\n")
             sys.stderr.write("matex: rank %d: ending the job: collective #%d waited %.1f s "
                              "(MATEX_STALL_ABORT_S=%g); flight dumps in %s\n"
@@ -143,9 +151,9 @@ class Watchdog(threading.Thread):
             from mpi4py import MPI
 
             MPI.COMM_WORLD.Abort(3)
-        elif self.warning and waited >= self.warning and self.reported != seq:
-            self.reported = seq
-            sys.stderr.write(self.inspect(seq, waited, "stall") + "\n")
+        elif self.warning and waited >= self.warning and self.reported != key:
+            self.reported = key
+            sys.stderr.write(self.inspect(comm, seq, waited, "stall") + "\n")
             sys.stderr.flush()
 
     def answer(self):
@@ -160,49 +168,71 @@ class Watchdog(threading.Thread):
             _recorder.dump("stall request from rank %s at collective #%s"
                            % (request.get("rank"), request.get("seq")), self.directory)
 
-    def inspect(self, seq: int, waited: float, reason: str) -> str:
-        """Ask every rank for its state; return the one-line report of this stall."""
+    def inspect(self, comm, seq: int, waited: float, reason: str) -> str:
+        """Ask the other members of ``comm`` for their state; return the one-line report.
+
+        ``comm``: the communicator (``flight_comms()`` record) whose collective
+        #``seq`` waits, or None for a point-to-point transfer (numbered in this
+        process's order: peers' counts are not compared). Only that
+        communicator's members are asked about, and only their counts on it
+        compare: each communicator has its own order of collectives.
+        """
+        from matex.flight._analysis import comm_label, comms_of
+
         posted = time.time()
         self.directory.mkdir(parents=True, exist_ok=True)
         tmp = self.directory / (".%s.%d" % (REQUEST, os.getpid()))
         tmp.write_text(json.dumps({"time": posted, "rank": self.rank, "seq": seq,
+                                   "comm": comm["comm"] if comm else None,
                                    "job": _config.job_id()}))
         os.replace(tmp, self.directory / REQUEST)
         self.answered = posted
         _recorder.dump(reason, self.directory)
+        peers = [r for r in (comm["members"] if comm else []) if r != self.rank]
         others = {}
         deadline = posted + 3 * self.interval + 1.0
-        while True:
-            for r in range(self.size):
-                if r != self.rank and r not in others:
+        while peers:
+            for r in peers:
+                if r not in others:
                     state = _read(self.directory / ("rank%d.json" % r))
                     if (state and state.get("time", 0) >= posted
                             and state.get("job") == _config.job_id()):
                         others[r] = state
-            if len(others) == self.size - 1 or time.time() > deadline:
+            if len(others) == len(peers) or time.time() > deadline:
                 break
             time.sleep(self.interval / 2)
-        mine = next((e for e in self.core.flight_entries() if e["seq"] == seq), None)
-        what = "collective #%d" % seq
+        if comm is None:
+            mine = next((e for e in self.core.flight_entries() if e["seq"] == seq), None)
+            what = "point-to-point transfer #%d" % seq
+        else:
+            mine = next((e for e in self.core.flight_entries()
+                         if e.get("comm") == comm["comm"] and e.get("comm_seq") == seq), None)
+            what = "collective #%d" % seq
         if mine:
             what += " " + _recorder.describe(mine)
             if mine["site"]:
                 what += " (from %s)" % mine["site"]
+        if comm is not None:
+            what += " on " + comm_label(comm["members"], self.size)
         late = []
-        for r in range(self.size):
-            if r == self.rank:
-                continue
+        for r in peers:
             state = others.get(r)
             if state is None:
                 late.append("rank %d [no answer: not responding, or dead]" % r)
-            elif state["sequence"] < seq:
-                main = next(iter(state["stacks"].values()), {}).get("where", "?")
-                late.append("rank %d [last collective #%d; now at %s]"
-                            % (r, state["sequence"], main))
+                continue
+            main = next(iter(state["stacks"].values()), {}).get("where", "?")
+            theirs = comms_of(state).get(comm["comm"])
+            if theirs is None:
+                late.append("rank %d [has not made this communicator; now at %s]" % (r, main))
+            elif theirs["seq"] < seq:
+                late.append("rank %d [last collective #%d; now at %s]" % (r, theirs["seq"], main))
+        if comm is None:
+            arrived = "not compared (a point-to-point transfer: see the peer's dump)"
+        else:
+            arrived = "; ".join(late) or "none (all ranks are in it)"
         return ("matex: stall: rank %d has waited %.1f s in %s; ranks not arrived: %s; "
                 "stacks and flight records in %s"
-                % (self.rank, waited, what, "; ".join(late) or "none (all ranks are in it)",
-                   self.directory))
+                % (self.rank, waited, what, arrived, self.directory))
 
 
 def _read(path: Path):

@@ -48,22 +48,28 @@ def test_mismatch_dumped_and_analysed(tmp_path):
     for d in dumps:
         assert d["reason"] == "exit after a failed collective"
         assert [e["seq"] for e in d["entries"]] == [1, 2, 3, 4, 5]
+        assert [e["comm_seq"] for e in d["entries"]] == [1, 2, 3, 4, 5]
+        assert len({e["comm"] for e in d["entries"]}) == 1
         assert [e["state"] for e in d["entries"]] == ["ok"] * 4 + ["mismatch"]
         last = d["entries"][-1]
         assert last["comm_size"] == 3 and last["dtype"] == "float32"
         assert last["shape"] == ([5] if d["world_rank"] == 2 else [4])
-        assert last["site"].endswith("flight_probe.py:25"), last["site"]
+        assert last["site"].endswith("flight_probe.py:29"), last["site"]
         assert all(e["start"] <= e["agreed"] <= e["end"] for e in d["entries"])
     finding = flight.analyse(dumps)
     assert (finding.kind, finding.ranks, finding.seq) == ("divergence", [2], 5)
     cli = _cli(tmp_path / "flight")
     assert cli.returncode == 0, cli.stderr
-    assert cli.stdout.startswith("ranks diverge at collective #5: rank 2 ran #5 allreduce(sum) "
-                                 "of float32[5]"), cli.stdout
+    assert cli.stdout.startswith("ranks diverge at collective #5 on the communicator of all 3 "
+                                 "ranks: rank 2 ran #5 allreduce(sum) of float32[5]"), cli.stdout
     assert "First divergent: rank 2." in cli.stdout
 
 
 def test_stall_names_the_sleeping_rank(tmp_path):
+    # Ranks 0 and 1 ran 2 collectives on a sub-communicator first: their process-wide
+    # counts (6 and 5) differ from rank 2's (4); only the world communicator's own count
+    # says who has not arrived (before: rank 2 saw rank 1 at #5 >= #4, "none", and rank 0
+    # named rank 2, which was waiting in it).
     proc = _probe(tmp_path, "sleep", MATEX_STALL_WARNING_S=2)
     assert proc.returncode == 0, proc.stderr[-3000:]
     lines = _stall_lines(proc.stderr)
@@ -71,8 +77,9 @@ def test_stall_names_the_sleeping_rank(tmp_path):
     assert sorted(line.split()[3] for line in lines) == ["0", "2"], proc.stderr[-3000:]
     for line in lines:
         assert "in collective #4 allreduce(sum) of float32[4]" in line, line
+        assert "on the communicator of all 3 ranks; ranks not arrived:" in line, line
         assert "ranks not arrived: rank 1 [last collective #3; now at " in line, line
-        assert "flight_probe.py:41 in main: time.sleep(5)" in line, line
+        assert "flight_probe.py:46 in main: time.sleep(5)" in line, line
         assert "rank 0 [" not in line and "rank 2 [" not in line, line
 
 
@@ -83,27 +90,55 @@ def test_stall_names_the_skipping_rank_and_aborts(tmp_path):
     assert {line.split()[3] for line in lines} <= {"0", "2"} and lines, proc.stderr[-3000:]
     for line in lines:
         assert "ranks not arrived: rank 1 [last collective #3; now at " in line, line
-        assert "flight_probe.py:48 in main: time.sleep(30)" in line, line
+        assert "flight_probe.py:53 in main: time.sleep(30)" in line, line
     assert "(MATEX_STALL_ABORT_S=4)" in proc.stderr
     dumps = flight.load(tmp_path / "flight")
     assert [d["world_rank"] for d in dumps] == [0, 1, 2]   # the late rank answered too
     finding = flight.analyse(dumps)
     assert (finding.kind, finding.ranks, finding.seq) == ("stopped", [1], 4)
     assert _cli(tmp_path / "flight").stdout.startswith(
-        "rank 1 stopped first: it reached collective #3, while ranks 0, 2 reached #4 ")
+        "rank 1 stopped first: it reached collective #3 on the communicator of all 3 ranks, "
+        "while ranks 0, 2 reached #4 ")
 
 
 def test_sigusr1_dumps_every_rank(tmp_path):
+    # before the dumps, ranks 0 and 1 ran 5 allreduces of float32[2] on a sub-communicator,
+    # then all ran a 4th on the world: the entries pair by (communicator, number on it)
     proc = _probe(tmp_path, "usr1")
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert proc.stdout.count("dumped True") == 3, proc.stdout
+    dumps = []
     for rank in range(3):
         d = json.loads((tmp_path / "flight" / ("rank%d.json" % rank)).read_text())
-        assert d["reason"] == "SIGUSR1" and d["sequence"] == 3 and d["pending_since"] == 0
+        dumps.append(d)
+        assert d["reason"] == "SIGUSR1" and d["pending_since"] == 0
+        assert d["sequence"] == (9 if rank < 2 else 4)   # this process's, all communicators
         assert d["world_rank"] == rank and d["world_size"] == 3
-        assert [e["op"] for e in d["entries"]] == ["allreduce(sum) of float32[4]"] * 3
+        ops = ["allreduce(sum) of float32[4]"] * 3 + (
+            ["allreduce(sum) of float32[2]"] * 5 if rank < 2 else []) + [
+            "allreduce(sum) of float32[4]"]
+        assert [e["op"] for e in d["entries"]] == ops
         main = next(iter(d["stacks"].values()))
         assert "flight_probe.py" in main["where"] and main["stack"]
+    world = {e["comm"] for d in dumps for e in d["entries"] if e["shape"] == [4]}
+    sub = {e["comm"] for d in dumps for e in d["entries"] if e["shape"] == [2]}
+    assert len(world) == 1 and len(sub) == 1 and world != sub, (world, sub)
+    for d in dumps:
+        assert [e["comm_seq"] for e in d["entries"] if e["comm"] in world] == [1, 2, 3, 4]
+        assert [e["comm_seq"] for e in d["entries"] if e["comm"] in sub] == (
+            [1, 2, 3, 4, 5] if d["world_rank"] < 2 else [])
+        comms = {c["comm"]: c for c in d["comms"]}
+        assert comms[next(iter(world))]["members"] == [0, 1, 2]
+        assert comms[next(iter(world))]["seq"] == 4
+        mine = [c for c in d["comms"] if c["comm"] not in world]
+        assert [(c["members"], c["seq"]) for c in mine] == (
+            [([0, 1], 5)] if d["world_rank"] < 2 else [([2], 0)])
+    finding = flight.analyse(flight.load(tmp_path / "flight"))
+    assert (finding.kind, finding.ranks) == ("consistent", []), finding.report
+    assert finding.report.startswith(
+        "no divergence: every member of each communicator reached the same collective "
+        "(the communicator of all 3 ranks: #4; the communicator of ranks 0, 1: #5; "
+        "the communicator of rank 2: #0)"), finding.report
 
 
 def test_bad_dump_directories(tmp_path):
@@ -145,8 +180,9 @@ def test_kill_under_ft_dumps_survivors_and_names_the_dead_rank(tmp_path):
     assert all(d["reason"] == "rank failure" for d in dumps)
     failed = [[e for e in d["entries"] if e["state"] == "MPI error"] for d in dumps]
     assert all(len(f) == 1 for f in failed), failed
-    seq = failed[0][0]["seq"]
-    assert failed[1][0]["seq"] == seq and failed[0][0]["comm_size"] == 3
+    seq = failed[0][0]["comm_seq"]
+    assert (failed[1][0]["comm"], failed[1][0]["comm_seq"]) == (failed[0][0]["comm"], seq)
+    assert failed[0][0]["comm_size"] == 3
     assert failed[0][0]["op"].startswith(("allreduce", "fused allreduce")), failed[0][0]
     finding = flight.analyse(dumps)
     assert (finding.kind, finding.ranks, finding.seq) == ("stopped", [2], seq)

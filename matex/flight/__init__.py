@@ -1,7 +1,7 @@
 """The flight recorder: each rank's last collectives, dumped when something goes wrong.
 
 The C++ core keeps the last ``MATEX_FLIGHT_ENTRIES`` (default 1024)
-collectives of each rank in a ring buffer: sequence number, op, dtype, shape,
+collectives of each rank in a ring buffer: communicator and number on it, op, dtype, shape,
 communicator size, start, agreement and end times, outcome, call site (the
 TensorFlow node name, or the Python ``file:line`` for the NumPy core API).
 Each rank writes ``MATEX_FLIGHT_DIR/rank<N>.json`` (default ``./matex-flight``):

@@ -17,7 +17,7 @@ from pathlib import Path
 
 from matex import _config
 
-FORMAT = "matex-flight/1"
+FORMAT = "matex-flight/2"   # /2: entries name their communicator (comm, comm_seq)
 KINDS = {1: "allreduce", 2: "fused allreduce", 3: "broadcast", 4: "allgather",
          5: "send", 6: "receive", 7: "send-receive", 8: "sparse allreduce",
          9: "non-blocking allreduce"}   # internal::Kind in tf_ops/core/internal.h
@@ -94,9 +94,11 @@ def stacks() -> dict:
 def dump(reason: str = "requested", directory=None) -> Path:
     """Write this rank's dump to ``directory`` (default ``MATEX_FLIGHT_DIR``); return its path.
 
-    Holds the last collectives the core recorded (oldest first), the sequence
-    number of the last one started, the start of the one in progress (0 when
-    none), and every thread's Python stack.
+    Holds the last collectives the core recorded (oldest first; each names its
+    communicator and its number there), the number of the last one this
+    process started, the start of the one in progress (0 when none), every
+    communicator's own count and waiting collective, and every thread's
+    Python stack.
     """
     global _last_dump
     from matex import _native
@@ -114,7 +116,9 @@ def dump(reason: str = "requested", directory=None) -> Path:
         "pid": os.getpid(),
         "reason": reason,
         "time": time.time(),
-        "sequence": core.flight_sequence() if core else 0,
+        "sequence": core.flight_sequence() if core else 0,   # this process's, all communicators
+        # each communicator's own count and waiting collective: what compares across ranks
+        "comms": core.flight_comms() if core else [],
         "pending_since": core.flight_pending_since() if core else 0.0,
         "capacity": core.flight_capacity() if core else 0,
         "entries": [_entry(e) for e in core.flight_entries()] if core else [],
