@@ -4,6 +4,13 @@ Each rank's file only knows when it arrived at a collective and when all had
 arrived; with every rank's (aligned) start at hand, the merge splits that
 span into "wait for the slowest rank" (until the last rank arrived, named in
 the span) and "agreement check" (from then until the check completed).
+
+A collective is the same one on two ranks when it has the same number on the
+same communicator (``comm``, ``comm_seq``): each communicator (a search
+group, a grid's groups, the one after a recovery) has its own order, so the
+process-wide ``seq`` pairs the wrong collectives as soon as ranks run
+different numbers of collectives on sub-communicators. Point-to-point
+transfers (``comm_seq`` 0) have no such order and are not split.
 """
 
 import json
@@ -63,30 +70,39 @@ def load(directory) -> dict:
     return ranks
 
 
+def _key(args):
+    """The collective an event belongs to, the same on every member of its communicator
+    (None: a point-to-point transfer). Files before (comm, comm_seq) pair by ``seq``."""
+    if "comm_seq" not in args:
+        return ("", args["seq"])
+    return (args["comm"], args["comm_seq"]) if args["comm_seq"] > 0 else None
+
+
 def split_arrivals(ranks: dict) -> None:
     """Replace each "arrive" span by the wait for the slowest rank and the agreement check."""
-    latest = {}   # seq -> (aligned start, rank) of the last rank to arrive
+    latest = {}   # (comm, comm_seq) -> (aligned start, rank) of the last rank to arrive
     for r, events in ranks.items():
         for e in events:
             if e.get("cat") == "collective":
-                seq = e["args"]["seq"]
-                if seq not in latest or e["ts"] > latest[seq][0]:
-                    latest[seq] = (e["ts"], r)
+                key = _key(e["args"])
+                if key is not None and (key not in latest or e["ts"] > latest[key][0]):
+                    latest[key] = (e["ts"], r)
     for r, events in ranks.items():
         out = []
         for e in events:
-            if e.get("cat") != "arrive":
+            if e.get("cat") != "arrive" or _key(e["args"]) is None:
                 out.append(e)
                 continue
-            seq = e["args"]["seq"]
-            last, slowest = latest.get(seq, (e["ts"], r))
+            key = _key(e["args"])
+            ids = {k: v for k, v in e["args"].items() if k in ("seq", "comm", "comm_seq")}
+            last, slowest = latest.get(key, (e["ts"], r))
             end = e["ts"] + e["dur"]
             cut = min(max(last, e["ts"]), end)
             out.append(dict(e, name="wait for the slowest rank (rank %d)" % slowest,
                             cat="wait", dur=round(cut - e["ts"], 3),
-                            args={"seq": seq, "slowest_rank": slowest}))
+                            args=dict(ids, slowest_rank=slowest)))
             out.append(dict(e, name="agreement check", cat="check", ts=cut,
-                            dur=round(end - cut, 3), args={"seq": seq}))
+                            dur=round(end - cut, 3), args=ids))
         ranks[r] = out
 
 

@@ -212,7 +212,8 @@ class Writer(threading.Thread):
         from matex.flight._recorder import STATES, describe
 
         start, agreed, end = e["start"], e["agreed"] or e["end"], e["end"]
-        args = {"seq": e["seq"], "bytes": e["bytes"], "dtype": e["dtype"],
+        args = {"seq": e["seq"], "comm": e["comm"], "comm_seq": e["comm_seq"],
+                "bytes": e["bytes"], "dtype": e["dtype"],
                 "shape": e["shape"], "num_tensors": e["num_tensors"],
                 "comm_size": e["comm_size"], "site": e["site"],
                 "state": STATES[e["state"]] if 0 <= e["state"] < len(STATES) else e["state"],
@@ -222,7 +223,8 @@ class Writer(threading.Thread):
             args["tensors"] = tensors
         self._span(COLLECTIVES_TID, describe(e), start, end, args, cat="collective")
         self._span(COLLECTIVES_TID, "arrive: check + wait for the slowest rank", start, agreed,
-                   {"seq": e["seq"]}, cat="arrive")
+                   {"seq": e["seq"], "comm": e["comm"], "comm_seq": e["comm_seq"]},
+                   cat="arrive")
         self._span(COLLECTIVES_TID, "transfer", agreed, end,
                    {"seq": e["seq"], "bytes": e["bytes"]}, cat="transfer")
         self.file.write('{"ph":"C","pid":%d,"tid":%d,"name":"bytes","ts":%.3f,'

@@ -7,7 +7,9 @@ bucket), then writes OUT.<rank>.json: the History and the optimizer's step
 count. "api": a custom loop instead of fit, its steps marked with
 ``matex.timeline.step``; starts and stops the timeline with
 ``matex.timeline.start`` and ``stop`` (directory OUT.timeline) instead of
-the environment. With
+the environment; in step 31, ranks 0 and 1 also run 5 allreduces on a
+sub-communicator of theirs (its own order of collectives: the merge must pair
+collectives by communicator and number on it, not by each process's count). With
 TEST_H5 set, the rows come from that HDF5 file through ``matex.readers``.
 """
 
@@ -47,13 +49,21 @@ if api:   # a custom loop, its steps marked with matex.timeline.step
         optimizer.apply_gradients(zip(grads, model.trainable_variables))
         return loss
 
+    from matex import _runtime
+
     per = batch // matex.size()
     losses = []
+    sub_members = matex.rank() in (0, 1)
+    slot = _runtime.register_comm(_runtime.comm().Split(0 if sub_members else 1, matex.rank()))
     for epoch in range(2):
         for i in range(steps):
             lo = i * batch + matex.rank() * per
             with timeline.step():
                 losses.append(float(train(x[lo:lo + per], y[lo:lo + per])))
+                if epoch * steps + i == 31 and sub_members:
+                    for _ in range(5):
+                        _runtime._core().allreduce(np.ones(3, np.float32), "float32", "sum",
+                                                   comm=slot)
 
     class history:   # noqa: N801 - what the report below reads from fit's History
         history = {"loss": losses}
