@@ -24,58 +24,23 @@ Requirements (each a ValueError on every rank): the micro-batch count M
 divides every batch's rows (per data replica: D x M divides the global
 batch); the stages equal the pipeline ranks; each cut separates the graph.
 ``predict`` accepts any number of rows (it pads internally).
+
+Three modules, one concept each: this one is the Keras model (stages, data,
+``fit``/``evaluate``/``predict``, gathering and saving the whole model);
+``_execution`` runs the steps; ``_checkpoints`` writes and reads checkpoints.
 """
+
 
 import numpy as np
 import keras
 import tensorflow as tf
 
-from matex import _batch_slicing, _collectives, _compat, _fusion, _runtime
+from matex import _batch_slicing, _collectives, _runtime
 from matex._everywhere import RemoteError, on_every_rank
-from matex.parallel import _p2p, _schedule, _stages
+from matex.parallel import _schedule, _stages
+from matex.parallel._checkpoints import PipelineCheckpoints
+from matex.parallel._execution import PipelineExecution, _agreed, _Layout
 from matex.parallel._stages import StageBoundary
-
-_TAG = 17   # p2p channel of pipeline transfers (forward and backward go opposite ways)
-
-
-class _Layout:
-    """This rank's place: pipeline rank/size/slot, data rank/size/slot, a control comm."""
-
-    def __init__(self, grid):
-        from matex.parallel import _grid
-
-        grid = grid if grid is not None else _grid.current()
-        self.grid = grid
-        if grid is None:
-            comm = _runtime.comm()
-            self.pipeline_rank, self.pipeline_size = comm.Get_rank(), comm.Get_size()
-            self.pipeline_slot = 0
-            self.data_rank, self.data_size = 0, 1
-            self.tensor_rank, self.tensor_size = 0, 1
-            world = comm
-        else:
-            self.pipeline_rank, self.pipeline_size = grid.pipeline_rank, grid.pipeline_size
-            self.pipeline_slot = grid.pipeline_slot
-            self.data_rank, self.data_size = grid.data_rank, grid.data_size
-            self.tensor_rank, self.tensor_size = grid.tensor_rank, grid.tensor_size
-            world = grid.world_comm
-        # MaTEx's own Python-level messages of this pipeline (plans, errors, saving)
-        self.control = world.Dup()
-        self.world_rank = self.control.Get_rank()
-
-    @property
-    def first(self):
-        return self.pipeline_rank == 0
-
-    @property
-    def last(self):
-        return self.pipeline_rank == self.pipeline_size - 1
-
-
-def _agreed(control, function):
-    """``function()`` on every rank of ``control``; an error on any rank is a ValueError
-    on every rank, naming the lowest failing rank and its error (``on_every_rank``)."""
-    return on_every_rank(control, function, error_type=ValueError)
 
 
 def _own_copy(shared):
@@ -143,20 +108,6 @@ def _nbytes(variables):
     return int(sum(np.prod(v.shape) * np.dtype(v.dtype).itemsize for v in variables))
 
 
-def _checkpoint_generation(directory):
-    """The generation ``directory/meta.json`` names: None for none (no checkpoint, an
-    unreadable one, or one written before generations)."""
-    import json
-    import os
-
-    try:
-        with open(os.path.join(directory, "meta.json")) as f:
-            generation = json.load(f).get("generation")
-    except (OSError, ValueError, AttributeError):
-        return None
-    return generation if isinstance(generation, int) else None
-
-
 def _split_off_validation(data, split):
     """(training part, validation part) of packed arrays: the last ``split`` of the rows,
     as Keras's ``validation_split`` takes them."""
@@ -202,7 +153,7 @@ class _SharedOrder:
         return ds.apply(tf.data.experimental.assert_cardinality(steps)).prefetch(2)
 
 
-class PipelineModel(keras.Model):
+class PipelineModel(PipelineExecution, PipelineCheckpoints, keras.Model):
     """A Keras model split into pipeline stages, one per pipeline rank.
 
     Args:
@@ -340,249 +291,6 @@ class PipelineModel(keras.Model):
     def call(self, inputs, training=False):
         rows = tf.shape(keras.tree.flatten(inputs)[0])[0]
         return self._forward_all(inputs, rows, training)
-
-    # ---- transfers ------------------------------------------------------------
-
-    def _recv(self, shape, dtype, source):
-        return _p2p.recv(shape, dtype, source, comm=self._layout.pipeline_slot, tag=_TAG)
-
-    def _send(self, tensor, dest):
-        return _p2p.send(tensor, dest, comm=self._layout.pipeline_slot, tag=_TAG)
-
-    def _sendrecv(self, tensor, dest, source, shape, dtype):
-        return _p2p.sendrecv(tensor, dest, source, shape, dtype,
-                             comm=self._layout.pipeline_slot, tag=_TAG)
-
-    # ---- data ----------------------------------------------------------------
-
-    def _replica_share(self, structure, rows):
-        """This data replica's contiguous share of every tensor (rows divisible by D)."""
-        D, d = self._layout.data_size, self._layout.data_rank
-        if D == 1:
-            return structure
-        share = rows // D
-        return keras.tree.map_structure(
-            lambda t: None if t is None else t[d * share:(d + 1) * share], structure)
-
-    def _check_rows(self, rows):
-        M, D = self.microbatches, self._layout.data_size
-        return tf.debugging.assert_equal(
-            rows % (M * D), 0, message=(
-                "matex.parallel: a batch's rows must divide by data replicas x microbatches "
-                "= %d x %d" % (D, M)))
-
-    # ---- the schedule ---------------------------------------------------------
-
-    def _run(self, x, y, sample_weight, rows, train):
-        """Run the schedule on this stage; returns the summed gradients (train) or None."""
-        L = self._layout
-        P, p, M = L.pipeline_size, L.pipeline_rank, self.microbatches
-        mb = rows // M
-
-        def part(structure, m):
-            return keras.tree.map_structure(
-                lambda t: None if t is None else t[m * mb:(m + 1) * mb], structure)
-
-        in_shape, in_dtype = (None, None) if p == 0 else self._stage_input_spec()
-        if p > 0:
-            in_shape = tf.concat([[tf.cast(mb, tf.int64)],
-                                  tf.constant(in_shape, tf.int64)], 0) \
-                if in_shape else tf.reshape(tf.cast(mb, tf.int64), [1])
-        out_t = self.stage.outputs[0]
-        out_shape = tf.concat([[tf.cast(mb, tf.int64)],
-                               tf.constant(list(out_t.shape[1:]), tf.int64)], 0) \
-            if len(out_t.shape) > 1 else tf.reshape(tf.cast(mb, tf.int64), [1])
-        weights = list(self.stage.trainable_variables)
-        total = [None] * len(weights)
-        saved = {}
-        pending = None   # (tensor, peer) whose send is fused with the next receive
-        has_losses = bool(self.stage.losses) if not L.last else False
-        for step in _schedule.steps(self.schedule, P, p, M, train):
-            m = step.micro
-            if step.kind == "F":
-                if step.fused_recv:
-                    x_in = self._sendrecv(pending[0], pending[1], p - 1, in_shape, in_dtype)
-                    pending = None
-                elif step.recv is not None:
-                    x_in = self._recv(in_shape, in_dtype, p - 1)
-                else:
-                    x_in = part(x, m)
-                with tf.GradientTape(watch_accessed_variables=train) as tape:
-                    if p > 0:
-                        tape.watch(x_in)
-                    out = self.stage(x_in, training=train)
-                    loss = None
-                    if L.last:
-                        y_m, sw_m = part(y, m), part(sample_weight, m)
-                        loss = self.compute_loss(x=None, y=y_m, y_pred=out,
-                                                 sample_weight=sw_m, training=train)
-                        _compat.loss_tracker(self).update_state(loss, sample_weight=mb)
-                        self._skip_results = True
-                        try:
-                            self.compute_metrics(None, y_m, out, sample_weight=sw_m)
-                        finally:
-                            self._skip_results = False
-                        loss = loss / M
-                    elif has_losses and train:
-                        loss = tf.add_n(self.stage.losses) / M
-                saved[m] = (tape, x_in, out, loss)
-                if step.send is not None:
-                    if step.fused_send:
-                        pending = (out, p + 1)
-                    else:
-                        self._send(out, p + 1)
-            else:
-                tape, x_in, out, loss = saved.pop(m)
-                sources = weights + ([x_in] if p > 0 else [])
-                if L.last:
-                    grads = tape.gradient(loss, sources)
-                else:
-                    if step.fused_recv:
-                        dy = self._sendrecv(pending[0], pending[1], p + 1, out_shape,
-                                            out.dtype)
-                        pending = None
-                    else:
-                        dy = self._recv(out_shape, out.dtype, p + 1)
-                    if loss is not None:
-                        target = tf.reduce_sum(out * tf.stop_gradient(dy)) + loss
-                        grads = tape.gradient(target, sources)
-                    else:
-                        grads = tape.gradient(out, sources, output_gradients=dy)
-                for i, g in enumerate(grads[:len(weights)]):
-                    if g is not None:
-                        g = tf.convert_to_tensor(g)
-                        total[i] = g if total[i] is None else total[i] + g
-                if p > 0:
-                    dx = grads[-1]
-                    if dx is None:
-                        dx = tf.zeros_like(x_in)
-                    if step.fused_send:
-                        pending = (dx, p - 1)
-                    else:
-                        self._send(dx, p - 1)
-        assert pending is None, "a fused transfer was left unsent"
-        if not L.last:
-            self._mirror_metrics(y, sample_weight, mb)
-        return total if train else None
-
-    def _mirror_metrics(self, y, sample_weight, mb):
-        """On stages without the loss: give the compiled metrics the last stage's structure.
-
-        Keras builds metric states at their first update; here they are updated
-        with zero predictions of the model's output shapes (the values do not
-        matter: ``get_metrics_result`` overwrites every state with the last
-        stage's before reading it).
-        """
-        zeros = [tf.zeros(tf.concat([[mb], tf.constant(s, tf.int32)], 0), dt)
-                 for s, dt in self._out_specs]
-        y_pred = zeros[0] if len(zeros) == 1 else zeros
-        part = keras.tree.map_structure(lambda t: None if t is None else t[:mb],
-                                        (y, sample_weight))
-        self._skip_results = True
-        try:
-            self.compute_metrics(None, part[0], y_pred, sample_weight=part[1])
-        finally:
-            self._skip_results = False
-
-    def _forward_all(self, x, rows, training):
-        """Forward only, M micro-batches; the whole model's outputs on every pipeline rank."""
-        L = self._layout
-        P, p, M = L.pipeline_size, L.pipeline_rank, self.microbatches
-        mb = rows // M
-        in_shape, in_dtype = (None, None) if p == 0 else self._stage_input_spec()
-        outs = []
-        for m in range(M):
-            if p == 0:
-                x_in = keras.tree.map_structure(lambda t: t[m * mb:(m + 1) * mb], x)
-            else:
-                shape = tf.concat([[tf.cast(mb, tf.int64)], tf.constant(in_shape, tf.int64)], 0)
-                x_in = self._recv(shape, in_dtype, p - 1)
-            out = self.stage(x_in, training=training)
-            if p < P - 1:
-                self._send(out, p + 1)
-            else:
-                outs.append(keras.tree.flatten(out))
-        specs = self._out_specs
-        if L.last:
-            flat = [tf.concat([o[i] for o in outs], 0) for i in range(len(specs))]
-        else:
-            flat = [tf.zeros(tf.concat([[rows], tf.constant(s, tf.int32)], 0), dt)
-                    for s, dt in specs]
-        if P > 1:
-            flat = [_collectives.broadcast(t, root=P - 1, comm=L.pipeline_slot) for t in flat]
-        return flat[0] if len(flat) == 1 else flat
-
-    # ---- Keras steps ------------------------------------------------------------
-
-    def _replica_batch(self, data):
-        """This data replica's share of a step's batch, and its row count (checked)."""
-        x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(data)
-        rows = tf.shape(keras.tree.flatten(y if x is None else x)[0])[0]
-        with tf.control_dependencies([self._check_rows(rows)]):
-            rows = tf.identity(rows // self._layout.data_size)
-        x, y, sample_weight = self._replica_share((x, y, sample_weight),
-                                                  rows * self._layout.data_size)
-        return x, y, sample_weight, rows
-
-    def train_step(self, data):
-        x, y, sample_weight, rows = self._replica_batch(data)
-        weights = list(self.stage.trainable_variables)
-        grads = self._run(x, y, sample_weight, rows, train=True)
-        if self._layout.data_size > 1:
-            grads = _fusion.allreduce_gradients(grads, "average")
-        self.optimizer.apply(grads, weights)
-        return self.get_metrics_result()
-
-    def test_step(self, data):
-        x, y, sample_weight, rows = self._replica_batch(data)
-        self._run(x, y, sample_weight, rows, train=False)
-        return self.get_metrics_result()
-
-    def predict_step(self, data):
-        x, _, _ = keras.utils.unpack_x_y_sample_weight(data)
-        rows = tf.shape(keras.tree.flatten(x)[0])[0]
-        D, M = self._layout.data_size, self.microbatches
-        pad = (-rows) % (D * M)
-        x = keras.tree.map_structure(
-            lambda t: tf.concat([t, tf.zeros(tf.concat([[pad], tf.shape(t)[1:]], 0), t.dtype)],
-                                0), x)
-        padded = rows + pad
-        x = self._replica_share(x, padded)
-        out = self._forward_all(x, padded // D, training=False)
-        if D > 1:
-            out = keras.tree.map_structure(_collectives.allgather, out)
-        return keras.tree.map_structure(lambda t: t[:rows], out)
-
-    def get_metrics_result(self):
-        """Metric results from the last stage's states, summed over data replicas (exact)."""
-        if self._skip_results:
-            return {}
-        L = self._layout
-        variables = [v for metric in self.metrics for v in metric.variables]
-        if variables and L.pipeline_size > 1:
-            for v in variables:
-                v.assign(_collectives.broadcast(tf.convert_to_tensor(v),
-                                                root=L.pipeline_size - 1,
-                                                comm=L.pipeline_slot))
-        local = None
-        if variables and L.data_size > 1:
-            local = [tf.identity(tf.convert_to_tensor(v)) for v in variables]
-            for v, t in zip(variables, _fusion.allreduce_gradients(local, "sum",
-                                                                    threshold=1 << 30)):
-                v.assign(t)
-        results = {}
-        for metric in self.metrics:
-            value = metric.result()
-            if isinstance(value, dict):
-                results.update(value)
-            else:
-                results[metric.name] = value
-        if local is not None:
-            results = tf.nest.map_structure(tf.identity, results)
-            with tf.control_dependencies(tf.nest.flatten(results)):
-                for v, t in zip(variables, local):
-                    v.assign(t)
-        return results
 
     # ---- compile / fit / evaluate / predict ------------------------------------
 
@@ -784,149 +492,6 @@ class PipelineModel(keras.Model):
             if layer.name in weights and weights[layer.name]:
                 layer.set_weights(weights[layer.name])
         return whole
-
-    # ---- checkpoints: resume with another number of data replicas ---------------
-
-    def _checkpoint_file(self, directory, generation=None):
-        """This rank's stage file of checkpoint ``generation`` (None: the unnumbered name
-        of checkpoints written before generations)."""
-        import os
-
-        L = self._layout
-        suffix = "" if generation is None else ".g%d" % generation
-        return os.path.join(directory, "stage%d_tensor%d%s.npz" % (L.pipeline_rank,
-                                                                   L.tensor_rank, suffix))
-
-    def _optimizer_variables(self):
-        optimizer = getattr(self, "optimizer", None)
-        if optimizer is None:
-            raise ValueError("matex.parallel: compile the PipelineModel before saving or "
-                             "restoring a checkpoint")
-        if not optimizer.built:
-            optimizer.build(self.stage.trainable_variables)
-        return list(optimizer.variables)
-
-    def save_checkpoint(self, directory: str) -> None:
-        """Write this run's state so that a grid with another data dimension can resume it.
-
-        Collective. Each (stage, tensor shard) of data replica 0 writes its
-        stage's variables and its optimizer's variables (Adam's moments, the
-        step count) to ``directory/stage<p>_tensor<t>.g<N>.npz``, N one more than
-        the generation ``meta.json`` names; world rank 0 writes ``meta.json`` (P, T,
-        D, the stages, N) last, once every stage file is in place, each file
-        through a temporary and a rename; only then go generation N-1's files. A
-        save interrupted anywhere leaves the previous checkpoint whole: the
-        ``meta.json`` in place names only stage files of one generation. The replicas are
-        equal, so one copy serves any number of them:
-        ``restore_checkpoint`` on a grid with the same pipeline and tensor
-        sizes and any data size continues the run as if it had not stopped.
-        """
-        import json
-        import os
-
-        self._require_built()
-        L = self._layout
-
-        def written(store):
-            def write():
-                try:
-                    store()
-                except OSError as exc:
-                    raise ValueError("matex.parallel: cannot write a checkpoint to %s: %s"
-                                     % (directory, exc)) from None
-            return write
-
-        def replace(target, dump, mode):
-            # through a temporary file: a writer killed midway leaves the old file whole
-            with open(target + ".tmp", mode) as f:
-                dump(f)
-            os.replace(target + ".tmp", target)
-
-        previous = None
-        if L.world_rank == 0:
-            previous = _checkpoint_generation(directory)
-        previous = L.control.bcast(previous, root=0)
-        generation = (previous or 0) + 1
-
-        def store_stage():
-            variables = self._optimizer_variables()
-            os.makedirs(directory, exist_ok=True)
-            if L.data_rank == 0:
-                arrays = {"w%d" % i: np.asarray(v) for i, v in enumerate(self.stage.variables)}
-                arrays.update({"o%d" % i: np.asarray(v) for i, v in enumerate(variables)})
-                replace(self._checkpoint_file(directory, generation),
-                        lambda f: np.savez(f, **arrays), "wb")
-
-        def store_meta():
-            if L.world_rank == 0:
-                meta = {"pipeline": L.pipeline_size, "tensor": L.tensor_size,
-                        "data": L.data_size, "stages": self.plan.stage_layers,
-                        "generation": generation}
-                replace(os.path.join(directory, "meta.json"), lambda f: json.dump(meta, f), "w")
-
-        _agreed(L.control, written(store_stage))
-        # last, once every stage's file is in place: a meta.json never names missing stages
-        _agreed(L.control, written(store_meta))
-        if L.data_rank == 0:
-            # the previous generation is no longer named; a file left behind is harmless
-            try:
-                os.remove(self._checkpoint_file(directory, previous))
-            except OSError:
-                pass
-
-    def restore_checkpoint(self, directory: str) -> None:
-        """Load what ``save_checkpoint`` wrote: stage and optimizer variables (collective).
-
-        The grid may have another data size than the run that wrote it; its
-        pipeline and tensor sizes and its stages must be the same (a
-        ``ValueError`` on every rank otherwise, as for a missing file or a
-        variable of another shape). Compile first.
-        """
-        import json
-        import os
-
-        self._require_built()
-        L = self._layout
-
-        def read():
-            try:
-                load()
-            except (OSError, KeyError) as exc:
-                raise ValueError("matex.parallel: cannot read the checkpoint in %s: %s: %s"
-                                 % (directory, type(exc).__name__, exc)) from None
-
-        def load():
-            path = os.path.join(directory, "meta.json")
-            if not os.path.exists(path):
-                raise ValueError("matex.parallel: no checkpoint in %s (no meta.json)"
-                                 % directory)
-            with open(path) as f:
-                meta = json.load(f)
-            if (meta["pipeline"], meta["tensor"]) != (L.pipeline_size, L.tensor_size) or \
-                    meta["stages"] != self.plan.stage_layers:
-                raise ValueError(
-                    "matex.parallel: the checkpoint in %s is of a %d-stage x %d-way tensor "
-                    "pipeline with stages %s; this one is %d x %d with stages %s: the pipeline "
-                    "and tensor sizes and the stages must match (the data size may differ)"
-                    % (directory, meta["pipeline"], meta["tensor"], meta["stages"],
-                       L.pipeline_size, L.tensor_size, self.plan.stage_layers))
-            variables = self._optimizer_variables()
-            with np.load(self._checkpoint_file(directory, meta.get("generation"))) as data:
-                pairs = [(v, data["w%d" % i]) for i, v in enumerate(self.stage.variables)]
-                pairs += [(v, data["o%d" % i]) for i, v in enumerate(variables)]
-                if len(data.files) != len(pairs):
-                    raise ValueError("matex.parallel: the checkpoint holds %d variables for "
-                                     "this rank, the model and optimizer have %d"
-                                     % (len(data.files), len(pairs)))
-            for v, value in pairs:
-                if tuple(v.shape) != value.shape:
-                    raise ValueError("matex.parallel: checkpoint variable of shape %s for %s "
-                                     "of shape %s" % (value.shape, v.path, tuple(v.shape)))
-            for v, value in pairs:
-                v.assign(value)
-
-        _agreed(L.control, read)
-        self._synced = True   # every replica read the same values
 
     def save(self, filepath, overwrite=True, **kwargs):
         """Write the whole model (every stage) as one plain Keras file; rank 0 writes.
