@@ -141,6 +141,47 @@ def test_sigusr1_dumps_every_rank(tmp_path):
         "the communicator of rank 2: #0)"), finding.report
 
 
+def _entry(comm, n, seq, shape, state="ok", start=0.0):
+    return {"seq": seq, "comm": comm, "comm_seq": n, "op": "allreduce(sum) of float32%s" % shape,
+            "signature": hash(tuple(shape)), "state": state, "start": start or float(seq),
+            "site": "", "shape": shape}
+
+
+def _dump(rank, entries, comms):
+    return {"world_rank": rank, "world_size": 3, "host": "h", "reason": "stall",
+            "sequence": len(entries), "entries": entries, "comms": comms, "stacks": {}}
+
+
+def test_analysis_compares_counts_within_each_communicator():
+    # ranks 0 and 1 ran 4 collectives on their sub-communicator S after 4 on the world W;
+    # rank 0 waits in S's #5, which rank 1 never started. Process-wide counts (9, 8, 4) would
+    # blame rank 2, which is not even a member of S.
+    world = [_entry("W", n, n, [4]) for n in range(1, 5)]
+    sub = [_entry("S", n, 4 + n, [2]) for n in range(1, 5)]
+    w = {"comm": "W", "members": [0, 1, 2], "seq": 4, "pending_seq": 0, "pending_since": 0,
+         "current": True}
+
+    def s(seq, pending):
+        return {"comm": "S", "members": [0, 1], "seq": seq, "pending_seq": seq if pending else 0,
+                "pending_since": 100.0 if pending else 0, "current": True}
+
+    dumps = [_dump(0, world + sub + [_entry("S", 5, 9, [2], "pending")], [w, s(5, True)]),
+             _dump(1, world + sub, [w, s(4, False)]),
+             _dump(2, world, [w, {"comm": "T", "members": [2], "seq": 0, "pending_seq": 0,
+                                  "pending_since": 0, "current": True}])]
+    finding = flight.analyse(dumps)
+    assert (finding.kind, finding.ranks, finding.seq, finding.comm) == ("stopped", [1], 5, "S")
+    assert finding.report.startswith(
+        "rank 1 stopped first: it reached collective #4 on the communicator of ranks 0, 1, "
+        "while rank 0 reached #5 allreduce(sum) of float32[2]"), finding.report
+    # the same collective numbers on different communicators never pair: a real divergence
+    # on S is found, at S's #3, not at process-wide #7
+    dumps[1]["entries"][6] = _entry("S", 3, 7, [3])
+    finding = flight.analyse(dumps)
+    assert (finding.kind, finding.ranks, finding.seq, finding.comm) == (
+        "divergence", [0, 1], 3, "S"), finding.report
+
+
 def test_bad_dump_directories(tmp_path):
     empty = tmp_path / "empty"
     empty.mkdir()

@@ -193,7 +193,8 @@ def analyse(dumps: List[dict]) -> Finding:
                        comm=cid)
 
     # 3. every rank dumped and agrees: on each communicator, the members with the lowest
-    # count stopped first; a communicator where some member waits in a collective first
+    # count stopped first; a communicator in use, and one where some member waits in a
+    # collective (the longest), first
     behind_comms = []
     for cid, m in members.items():
         reached = {r: comms[r][cid]["seq"] for r in m if r in comms and cid in comms[r]}
@@ -203,9 +204,10 @@ def analyse(dumps: List[dict]) -> Finding:
         if low < high:
             ahead = sorted(r for r, s in reached.items() if s == high)
             waiting = [comms[r][cid].get("pending_since") or float("inf") for r in ahead]
-            behind_comms.append((min(waiting), cid, low, high, ahead, reached))
-    if behind_comms:
-        _, cid, low, high, ahead, reached = min(behind_comms, key=lambda b: (b[0], b[1]))
+            replaced = not any(comms[r][cid].get("current", True) for r in reached)
+            behind_comms.append((replaced, min(waiting), cid, low, high, ahead, reached))
+    if behind_comms:   # a communicator in use before one replaced (after a recovery)
+        _, _, cid, low, high, ahead, reached = min(behind_comms, key=lambda b: b[:3])
         behind = sorted(r for r, s in reached.items() if s == low)
         entry = next((by_rank[r].get((cid, high)) for r in ahead if by_rank[r].get((cid, high))),
                      None)
