@@ -7,7 +7,6 @@ epoch, 2 epochs; one fused gradient bucket per step). The runs go through
 
 import json
 import os
-import statistics
 import subprocess
 import sys
 
@@ -49,7 +48,7 @@ def _spans(events, cat):
     return [e for e in events if e["ph"] == "X" and e.get("cat") == cat]
 
 
-def _check_traces(directory, nranks, ends_us=1000):
+def _check_traces(directory, nranks):
     """Per-rank files and the merged one: valid, monotonic per rank, aligned across ranks."""
     for r in range(nranks):
         events = _events(directory / ("timeline-rank%d.json" % r))
@@ -82,17 +81,16 @@ def _check_traces(directory, nranks, ends_us=1000):
         ranks, count = comms.get(comm, (set(spans), 0))
         assert set(spans) == ranks, (comm, n, sorted(spans), ranks)   # always the same members
         comms[comm] = (ranks, max(count, n))
-    ends, gaps = [], []
+    gaps = []
     for spans in same.values():
         starts = [e["ts"] for e in spans.values()]
         finish = [e["ts"] + e["dur"] for e in spans.values()]
-        # nobody leaves a collective before the last rank entered it (1 ms of clock error)
+        # nobody leaves a collective before the last rank entered it (1 ms of clock error).
+        # How far apart ranks leave it is not checked: with the clocks exact (above), that is
+        # only when each rank got a CPU back after MPI completed: whole scheduler ticks on
+        # busy cores (4001, 8002 us measured on 2 oversubscribed cores, 0 when idle)
         gaps.append(max(starts) - min(finish))
-        if len(spans) > 1:
-            ends.append(max(finish) - min(finish))
     assert max(gaps) < 1000, "a rank left before another arrived: %.0f us" % max(gaps)
-    assert statistics.median(ends) < ends_us, "ends %.0f us apart (median)" % statistics.median(
-        ends)
     waits = _spans(merged, "wait")
     checks = _spans(merged, "check")
     transfers = _spans(merged, "transfer")
@@ -175,10 +173,7 @@ def test_sampling_records_only_the_requested_steps(tmp_path):
 def test_api_start_stop_on_three_ranks(tmp_path):
     proc = _matexrun(tmp_path, nranks=3, script_args=["api"], env={"TEST_STEPS": "30-32"})
     assert proc.returncode == 0, proc.stderr[-4000:]
-    # 3 ranks on 2 cores: a rank is often descheduled for a scheduler tick (~1-4 ms) right
-    # after it leaves a collective, so only causality (no rank leaves before the last
-    # arrived, within 1 ms) is held to the 2-rank runs' bound here, not how close the ends are
-    merged, comms = _check_traces(tmp_path / "out.timeline", 3, ends_us=5000)
+    merged, comms = _check_traces(tmp_path / "out.timeline", 3)
     # ranks 0 and 1 ran 5 allreduces on a sub-communicator of theirs in step 31: paired among
     # themselves, and the world's collectives still pair across all 3 ranks (before: by each
     # process's count, rank 2's collectives paired with the others' later ones)
