@@ -18,6 +18,8 @@ cluster, are reduced, and are applied outside it (``_split_xla_step``).
 
 import threading
 
+from typing import Optional
+
 import tensorflow as tf
 
 from matex import _collectives, _compat, _faults
@@ -218,6 +220,33 @@ def _distributed_class(cls):
         return _classes[cls]
 
 
+def _check_same_settings(optimizer, op, fusion_threshold, compression, delay):
+    """``optimizer`` (already distributed) if the settings given agree with its own, else a
+    ValueError naming the one that differs: a second ``DistributedOptimizer`` call (the
+    script's, or ``compile``'s under ``matex.keras``) never changes nor ignores them."""
+    state = optimizer._matex
+    strategy = state.strategy
+    from matex import _delayed
+
+    current_delay = 1 if isinstance(strategy, _delayed.Delayed) else 0
+    differs = []
+    if op is not None and op != state.op:
+        differs.append("op=%r (it has %r)" % (op, state.op))
+    if fusion_threshold is not None and fusion_threshold != state.threshold:
+        differs.append("fusion_threshold=%r (it has %r)" % (fusion_threshold, state.threshold))
+    if delay is not None and delay != current_delay:
+        differs.append("delay=%r (it has %r)" % (delay, current_delay))
+    if compression is not None:
+        wanted = _compression.from_spec(compression)
+        if wanted is not state.compression and repr(wanted) != repr(state.compression):
+            differs.append("compression=%r (it has %r)" % (wanted, state.compression))
+    if differs:
+        raise ValueError("DistributedOptimizer: this optimizer is already distributed; %s. "
+                         "Wrap a fresh optimizer to change its settings"
+                         % "; ".join(differs))
+    return optimizer
+
+
 def is_distributed(optimizer):
     """Whether ``optimizer`` already averages its gradients over ranks."""
     return isinstance(optimizer, _DistributedMixin)
@@ -234,8 +263,9 @@ def is_reduced_by_wrapper(optimizer):
     return getattr(optimizer, "_matex_reduced_by_wrapper", False)
 
 
-def DistributedOptimizer(optimizer, op="average", fusion_threshold=None, compression=None,
-                         delay=0):
+def DistributedOptimizer(optimizer, op: Optional[str] = None,
+                         fusion_threshold: Optional[int] = None, compression=None,
+                         delay: Optional[int] = None):
     """Make a Keras 3 optimizer average gradients over all ranks before updating.
 
     Args:
@@ -255,6 +285,13 @@ def DistributedOptimizer(optimizer, op="average", fusion_threshold=None, compres
         applies it at the next step, its non-blocking allreduce overlapping a
         whole step of compute (step 0 applies nothing; ``matex.flush``
         applies the last one; see ``matex._delayed``).
+
+    An optimizer that is already distributed is returned as it is; an
+    ``op``, ``fusion_threshold``, ``delay`` or ``compression`` given then
+    must agree with its settings (a ValueError says which differs: nothing
+    is silently ignored). ``delay=1``, ``LocalSGD`` and ``DiLoCo`` send
+    uncompressed: a compression given or set by ``MATEX_COMPRESSION`` with
+    them is a ValueError.
     Returns:
       The distributed optimizer; use it exactly like the original, with
       ``model.compile``/``fit`` or ``apply_gradients``/``apply``.
@@ -265,9 +302,9 @@ def DistributedOptimizer(optimizer, op="average", fusion_threshold=None, compres
     """
     import keras
 
-    if op not in ("average", "sum"):
+    if op not in (None, "average", "sum"):
         raise ValueError("DistributedOptimizer op must be 'average' or 'sum', not %r" % op)
-    if isinstance(delay, bool) or delay not in (0, 1):
+    if isinstance(delay, bool) or delay not in (None, 0, 1):
         raise ValueError("DistributedOptimizer delay must be 0 (apply each step's averaged "
                          "gradient at once) or 1 (apply it one step later, its allreduce "
                          "overlapping the next step), not %r" % (delay,))
@@ -280,15 +317,17 @@ def DistributedOptimizer(optimizer, op="average", fusion_threshold=None, compres
         optimizer = optimizer()
     if not isinstance(optimizer, keras.optimizers.Optimizer):
         raise TypeError("DistributedOptimizer needs a Keras 3 optimizer, got %r" % (optimizer,))
+    if is_distributed(optimizer):
+        return _check_same_settings(optimizer, op, fusion_threshold, compression, delay)
     compressor = (_compression.from_environment() if compression is None
                   else _compression.from_spec(compression))
-    if is_distributed(optimizer):
-        if compression is not None:
-            optimizer._matex.compression = compressor
-        return optimizer
+    if delay and compressor is not None:
+        raise ValueError("DistributedOptimizer: delay=1 sends its gradients uncompressed, and "
+                         "MATEX_COMPRESSION asks for %r; unset MATEX_COMPRESSION or use "
+                         "delay=0" % (compressor,))
     _patch_keras_trainer()
     optimizer.__class__ = _distributed_class(type(optimizer))
-    object.__setattr__(optimizer, "_matex", _State(op, fusion_threshold))
+    object.__setattr__(optimizer, "_matex", _State(op or "average", fusion_threshold))
     optimizer._matex.compression = compressor
     if delay:
         from matex import _delayed

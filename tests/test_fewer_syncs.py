@@ -33,6 +33,22 @@ def test_bad_input_is_a_clear_error_on_every_rank(ranks):
         assert "not True" in delay_bool
 
 
+def test_options_that_would_be_ignored_are_errors(ranks):
+    for r in ranks:
+        assert r["option_errors"] == ranks[0]["option_errors"]
+        op, delay, threshold, comp, env_delay, env_local, env_diloco, local_comp = \
+            r["option_errors"]
+        assert "already distributed" in op and "op='average' (it has 'sum')" in op
+        assert "delay=1 (it has 0)" in delay
+        assert "fusion_threshold=123" in threshold
+        assert "compression=FP16 (it has None)" in comp, comp
+        assert "MATEX_COMPRESSION" in env_delay and "delay=1" in env_delay
+        assert env_local.startswith("LocalSGD sends the weights uncompressed")
+        assert env_diloco.startswith("DiLoCo sends the weights uncompressed")
+        assert local_comp.startswith("LocalSGD sends the weights uncompressed")
+        assert r["option_kept"]
+
+
 def test_local_sgd_every_step_is_data_parallel(ranks):
     for r in ranks:
         assert r["localsgd1_loop"] <= ROUNDING

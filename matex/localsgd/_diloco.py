@@ -26,6 +26,8 @@ from matex.localsgd._local_sgd import LocalStrategy, convert
 class DiLoCoStrategy(LocalStrategy):
     """Local steps, then an outer step on the averaged pseudo-gradient (see the module doc)."""
 
+    name = "DiLoCo"
+
     def __init__(self, outer, sync_every):
         super().__init__(sync_every)
         self.outer = outer

@@ -60,6 +60,7 @@ class LocalStrategy:
     # fit under matex.keras / python -m matex still slices the data: this says
     # how ranks synchronise, not who shards
     leaves_data_to_fit = True
+    name = "LocalSGD"
 
     def __init__(self, sync_every):
         self.sync_every = check_sync_every(sync_every)
@@ -201,6 +202,11 @@ def convert(optimizer, strategy):
     if current is not None:
         raise ValueError("this optimizer already has a synchronisation rule (%s); wrap a "
                          "fresh optimizer" % type(current).__name__)
+    if optimizer._matex.compression is not None:
+        raise ValueError("%s sends the weights uncompressed, and the optimizer compresses "
+                         "with %r (compression=, or MATEX_COMPRESSION); unset it or use "
+                         "data parallelism with compression"
+                         % (strategy.name, optimizer._matex.compression))
     optimizer._matex.strategy = strategy
     return optimizer
 

@@ -121,6 +121,43 @@ for make in (lambda: matex.LocalSGD(keras.optimizers.SGD(), sync_every=0),
         errors.append(str(exc))
 results["errors"] = errors
 
+
+# ---- options that would be ignored are errors, on every rank ----------------
+def option_error(make):
+    try:
+        make()
+        return None
+    except ValueError as exc:
+        return str(exc)
+
+
+def with_env_compression(make):
+    import os
+
+    os.environ["MATEX_COMPRESSION"] = "topk:0.1"
+    try:
+        return option_error(make)
+    finally:
+        del os.environ["MATEX_COMPRESSION"]
+
+
+summed = matex.DistributedOptimizer(keras.optimizers.SGD(), op="sum")
+results["option_errors"] = [
+    option_error(lambda: matex.DistributedOptimizer(summed, op="average")),
+    option_error(lambda: matex.DistributedOptimizer(summed, delay=1)),
+    option_error(lambda: matex.DistributedOptimizer(summed, fusion_threshold=123)),
+    option_error(lambda: matex.DistributedOptimizer(summed, compression="fp16")),
+    with_env_compression(lambda: matex.DistributedOptimizer(keras.optimizers.SGD(), delay=1)),
+    with_env_compression(lambda: matex.LocalSGD(keras.optimizers.SGD(), sync_every=2)),
+    with_env_compression(lambda: matex.DiLoCo(keras.optimizers.SGD(), keras.optimizers.SGD(),
+                                              sync_every=2)),
+    option_error(lambda: matex.LocalSGD(matex.DistributedOptimizer(
+        keras.optimizers.SGD(), compression="fp16"), sync_every=2)),
+]
+# what compile does under matex.keras: the same call with no settings keeps them
+results["option_kept"] = (matex.DistributedOptimizer(summed) is summed
+                          and summed._matex.op == "sum")
+
 # ---- data parallel references -------------------------------------------------
 dp = weights(custom_loop(matex.DistributedOptimizer(keras.optimizers.SGD(LR))))
 dp_momentum = weights(custom_loop(matex.DistributedOptimizer(
