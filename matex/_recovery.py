@@ -152,17 +152,25 @@ def model_state(model, track_steps=True):
 
 
 def optimizer_states(optimizer, variables):
-    """The state objects ``optimizer``'s synchronisation rule adds to the loop, if any.
+    """The state objects ``optimizer``'s synchronisation rule and compressor add, if any.
 
     Local SGD and DiLoCo roll back to the last synchronisation, a ``delay=1``
     optimizer drops its request in flight (``matex.localsgd``,
-    ``matex._delayed``). ``variables()``: the model's and the optimizer's
-    variables, which a rollback puts back too. Place them after the model's
+    ``matex._delayed``), a compressor puts its residuals, Q and step counter
+    back to the step's start (``compression._base.CompressorState``).
+    ``variables()``: the model's and the optimizer's variables, which a
+    rollback puts back too. Place them after the model's
     state: their ``restore`` and ``sync`` run after its.
     """
-    strategy = getattr(getattr(optimizer, "_matex", None), "strategy", None)
+    settings = getattr(optimizer, "_matex", None)
+    strategy = getattr(settings, "strategy", None)
     make = getattr(strategy, "recovery_state", None)
-    return [make(optimizer, variables)] if make is not None else []
+    states = [make(optimizer, variables)] if make is not None else []
+    compressor = getattr(settings, "compression", None)
+    if getattr(compressor, "recovery_state", None) is not None:
+        # residuals, Q, its step counter
+        states.append(compressor.recovery_state(lambda: int(optimizer.iterations)))
+    return states
 
 
 def run(body, states, on_recovered=None, callbacks=()):

@@ -18,6 +18,8 @@ import weakref
 
 import tensorflow as tf
 
+from matex import _recovery
+
 DEFAULT_MIN_SIZE = 1024   # elements: below this a tensor stays dense (latency, not bytes)
 
 
@@ -137,5 +139,63 @@ class Compressor:
         """``(reduced gradients, bytes sent per item)`` for ``items`` (all selected)."""
         raise NotImplementedError
 
+    def shared_variables(self):
+        """State equal on every rank (the step counter; PowerSGD's Q): synced and digested."""
+        return [] if self._step is None else [self._step]
+
+    def rank_variables(self):
+        """State of this rank alone (error-feedback residuals)."""
+        memory = getattr(self, "memory", None)
+        return memory.values() if memory is not None else []
+
+    def recovery_state(self, counter):
+        """This compressor's part of the recovery loop's commit rule (``CompressorState``);
+        ``counter()``: the optimizer's step count, which moves when a step commits."""
+        return CompressorState(self, counter)
+
     def __repr__(self):
         return "%s(min_size=%d)" % (type(self).__name__, self.min_size)
+
+
+class CompressorState(_recovery.State):
+    """A compressor's per-step state under the recovery loop's commit rule.
+
+    A step writes the residuals, PowerSGD's Q and the step counter while it
+    runs, before the update is known to be committed on every rank: a rank
+    loss in the middle leaves them as the failed attempt wrote them, and the
+    redone step would add that attempt's residual a second time.
+    ``begin_step`` snapshots them; ``restore`` puts them back when the step's
+    update was not applied on this rank (``counter()`` did not move; state made
+    during the failed step goes back to zero); ``sync`` takes rank 0's shared
+    state (counter, Q), which ``arrays`` hands to the digest check; residuals
+    are per rank and only restored.
+    """
+
+    def __init__(self, compressor, counter):
+        self.compressor, self.counter = compressor, counter
+        self._at, self._saved = None, {}
+
+    def _all(self):
+        return self.compressor.shared_variables() + self.compressor.rank_variables()
+
+    def begin_step(self):
+        variables = self._all()
+        self._at = int(self.counter())
+        self._saved = {id(v): (v, value)
+                       for v, value in zip(variables, _recovery._snapshot(variables))}
+
+    def restore(self):
+        if self._at is not None and int(self.counter()) == self._at:
+            for v in self._all():
+                saved = self._saved.get(id(v))
+                v.assign(saved[1] if saved is not None and saved[0] is v
+                         else tf.zeros_like(v))
+        self._at = None
+
+    def sync(self):
+        from matex import _collectives
+
+        _collectives.broadcast_variables(self.compressor.shared_variables(), 0)
+
+    def arrays(self):
+        return [v.numpy() for v in self.compressor.shared_variables()]

@@ -68,6 +68,9 @@ class PowerSGD(Compressor):
         n, m = as_matrix_shape(item.grad.shape)
         return min(self.rank, n, m)
 
+    def shared_variables(self):
+        return super().shared_variables() + self._q.values()   # Q: the same on every rank
+
     def _q_variable(self, i, item):
         _, m = as_matrix_shape(item.grad.shape)
         r, dtype = self._rank_of(item), item.grad.dtype

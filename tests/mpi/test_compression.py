@@ -258,3 +258,49 @@ def test_compressors_from_text_do_not_keep_models_alive():
             assert len(comp.memory) == 0, (spec, len(comp.memory))
             if spec.startswith("powersgd"):
                 assert len(comp._q) == 0
+
+
+@pytest.mark.parametrize("make", [lambda: TopK(0.1), lambda: PowerSGD(2)], ids=["topk", "powersgd"])
+def test_compressor_state_is_put_back_when_a_step_does_not_commit(make):
+    """Residuals, Q and the step counter follow the recovery loop's commit rule: an attempt
+    that wrote them and never applied its update (a rank lost mid-step) is undone, so the
+    redone step does not add its residual twice; a committed step is kept."""
+    from matex import _recovery
+    from matex.compression._base import CompressorState, Item
+
+    comp = make()
+    keras.utils.set_random_seed(1)
+    layer = keras.layers.Dense(32)
+    layer.build((None, 64))
+    opt = matex.DistributedOptimizer(keras.optimizers.SGD(0.1), compression=comp)
+
+    @tf.function
+    def step(x, y):
+        with tf.GradientTape() as tape:
+            loss = tf.reduce_mean(tf.square(layer(x) - y))
+        opt.apply(tape.gradient(loss, layer.trainable_variables), layer.trainable_variables)
+
+    for i in range(2):
+        step(*data(i))
+    (state,) = [s for s in _recovery.optimizer_states(opt, lambda: [])
+                if isinstance(s, CompressorState)]
+
+    def values():
+        return [v.numpy().copy() for v in comp.shared_variables() + comp.rank_variables()]
+
+    state.begin_step()
+    before = values()
+    kernel = layer.trainable_variables[0]
+    grad = tf.random.stateless_normal(kernel.shape, [RANK, 7])
+    comp.reduce([Item(grad, kernel, "kernel")], "average", None)   # the failed attempt
+    assert any(not np.array_equal(a, b) for a, b in zip(before, values()))
+    state.restore()   # the update was not applied here: the counter did not move
+    assert all(np.array_equal(a, b) for a, b in zip(before, values()))
+
+    state.begin_step()
+    step(*data(2))   # a step that commits
+    committed = values()
+    state.restore()
+    assert all(np.array_equal(a, b) for a, b in zip(committed, values()))
+    state.sync()
+    assert all_equal_bytes(state.arrays())   # counter (and Q) equal on every rank
