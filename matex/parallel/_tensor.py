@@ -20,10 +20,12 @@ features and sums the partial products. A Column(gather_output=False) +
 Row(input_is_parallel=True) pair costs one allreduce forward and one
 backward. ``ParallelConv2D`` splits the output channels (channels-last).
 
-Initialisation: each rank draws the *full* kernel from the initializer and
-keeps its slice, so with a seeded initializer the layer's weights, put
-together, equal an unsharded layer's. Every layer's ``supports_jit`` is
-False (the ops have no XLA kernels).
+Initialisation: each rank holds only its slice, with the values the full
+kernel would get: a seeded Keras initializer is a stateless Philox draw, so a
+rank draws the full kernel in blocks of rows from the matching counters and
+keeps its columns of each (``sliced_initializer``; peak: the slice plus one
+block). Put together, the shards equal an unsharded layer's weights.
+Every layer's ``supports_jit`` is False (the ops have no XLA kernels).
 """
 
 import keras
@@ -106,6 +108,264 @@ def _split(n, size, what, layer):
     return n // size
 
 
+# ---- sliced initialisation: this rank's slice of the full draw, drawn block by block ----
+
+# (distribution, dtype) -> (outputs per group, Philox counter steps per group), found once by
+# drawing a short sequence whole and again from a shifted counter; None: no such pair
+_PHILOX_STEPS: dict = {}
+_STATELESS = {"uniform": "StatelessRandomUniformV2", "normal": "StatelessRandomNormalV2",
+              "truncated": "StatelessTruncatedNormalV2"}
+_BLOCK_ELEMENTS = 1 << 20     # the most elements drawn at once (4 MiB of float32)
+
+
+def _shift(counter, steps: int):
+    """A Philox counter (two uint64: low, high word) advanced by ``steps``."""
+    import numpy as np
+
+    low, high = (int(v) for v in counter.numpy())
+    value = (low + (high << 64) + steps) % (1 << 128)
+    return tf.constant(np.array([value & (2 ** 64 - 1), value >> 64], np.uint64))
+
+
+def _raw_draw(kind: str, shape, key, counter, alg, dtype):
+    return getattr(tf.raw_ops, _STATELESS[kind])(shape=shape, key=key, counter=counter,
+                                                 alg=alg, dtype=dtype)
+
+
+def _philox_steps(kind: str, dtype, key, counter, alg):
+    """(group, steps): output ``k * group`` of a draw starts ``k * steps`` counter steps on."""
+    import numpy as np
+
+    found = _PHILOX_STEPS.get((kind, dtype.name), False)
+    if found is not False:
+        return found
+    whole = _raw_draw(kind, [4096], key, counter, alg, dtype).numpy()
+    found = None
+    for group in (1, 2, 4):
+        for steps in (1, 2, 4, 64, 128, 256, 512):
+            for k in (1, 3):
+                part = _raw_draw(kind, [4096 - k * group], key, _shift(counter, k * steps),
+                                 alg, dtype).numpy()
+                if not np.array_equal(part, whole[k * group:]):
+                    break
+            else:
+                found = (group, steps)
+                break
+        if found:
+            break
+    _PHILOX_STEPS[(kind, dtype.name)] = found
+    return found
+
+
+def _fans(shape, input_axes=None, output_axes=None):
+    """Keras's fan-in and fan-out of a weight shape (``compute_fans``)."""
+    import math
+
+    if input_axes is not None and output_axes is not None:
+        return (math.prod(shape[a] for a in input_axes),
+                math.prod(shape[a] for a in output_axes))
+    if len(shape) < 1:
+        return 1, 1
+    if len(shape) == 1:
+        return shape[0], shape[0]
+    if len(shape) == 2:
+        return shape[0], shape[1]
+    receptive = math.prod(shape[:-2])
+    return shape[-2] * receptive, shape[-1] * receptive
+
+
+def _recipe(initializer, full_shape):
+    """(distribution, a, b, seed): ``initializer(full_shape)`` is a stateless draw of
+    ``distribution`` mapped as Keras/TF do (uniform: ``a + raw * (b - a)``, normals:
+    ``raw * b + a``); None for an initializer that is not such a draw (orthogonal,
+    identity, a SeedGenerator or unseeded, one of your own)."""
+    import math
+
+    ki = keras.initializers
+    seed = getattr(initializer, "seed", None)
+    if not isinstance(seed, int) or isinstance(seed, bool):
+        return None
+    kind = type(initializer)
+    if isinstance(initializer, ki.VarianceScaling) and kind.__call__ is ki.VarianceScaling.__call__:
+        fan_in, fan_out = _fans(full_shape, initializer.input_axes, initializer.output_axes)
+        scale = initializer.scale / max(1.0, {"fan_in": fan_in, "fan_out": fan_out}.get(
+            initializer.mode, (fan_in + fan_out) / 2.0))
+        if initializer.distribution == "truncated_normal":
+            return "truncated", 0.0, math.sqrt(scale) / 0.87962566103423978, seed
+        if initializer.distribution == "untruncated_normal":
+            return "normal", 0.0, math.sqrt(scale), seed
+        limit = math.sqrt(3.0 * scale)
+        return "uniform", -limit, limit, seed
+    if kind is ki.RandomUniform:
+        return "uniform", initializer.minval, initializer.maxval, seed
+    if kind is ki.RandomNormal:
+        return "normal", initializer.mean, initializer.stddev, seed
+    if kind is ki.TruncatedNormal:
+        return "truncated", initializer.mean, initializer.stddev, seed
+    return None
+
+
+def _shape_free(initializer) -> bool:
+    """True for an initializer whose values do not depend on the shape (zeros, a constant)."""
+    ki = keras.initializers
+    if type(initializer) in (ki.Zeros, ki.Ones):
+        return True
+    if type(initializer) is ki.Constant:
+        import numpy as np
+        return np.ndim(initializer.value) == 0
+    return False
+
+
+def _block_draw(initializer, full_shape, dtype):
+    """``draw(start, stop)``: elements [start, stop) of ``initializer(full_shape)`` flattened,
+    drawn alone from the matching Philox counter; None where that is not possible."""
+    recipe = _recipe(initializer, full_shape)
+    if recipe is None or not dtype.is_floating:
+        return None
+    kind, a, b, seed = recipe
+    # Keras (TF backend) seeds a stateless draw with [seed mod (2^31 - 2), 0]
+    key, counter = tf.raw_ops.StatelessRandomGetKeyCounter(
+        seed=tf.constant([seed % (2 ** 31 - 2), 0], tf.int32))
+    alg = tf.raw_ops.StatelessRandomGetAlg()
+    steps = _philox_steps(kind, dtype, key, counter, alg)
+    if steps is None:
+        return None
+    group, per_group = steps
+    if kind == "uniform":     # Keras: tf.cast(minval, dtype), a Python float via float32
+        a_t, b_t = tf.cast(a, dtype), tf.cast(b, dtype)
+    else:
+        a_t, b_t = tf.constant(a, dtype), tf.constant(b, dtype)
+
+    def draw(start: int, stop: int):
+        skip = start % group      # a counter step starts a group: draw from its start
+        raw = _raw_draw(kind, [stop - start + skip], key,
+                        _shift(counter, (start - skip) // group * per_group), alg, dtype)
+        values = (a_t + raw * (b_t - a_t)) if kind == "uniform" else raw * b_t + a_t
+        return values[skip:]
+    return draw
+
+
+def _blocks(full_shape, axis: int, rank: int, n: int):
+    """(target, start, stop, keep): write ``keep(draw(start, stop))`` to ``target`` (a tuple of
+    slices of the rank's slice), block by block; each block at most ~``_BLOCK_ELEMENTS``."""
+    import math
+
+    full_shape = tuple(full_shape)
+    if axis == 0:       # the slice is one contiguous range of the flat draw: rows of it
+        inner = math.prod(full_shape[1:])
+        rows = max(1, _BLOCK_ELEMENTS // max(1, inner))
+        for r0 in range(0, n, rows):
+            r1 = min(r0 + rows, n)
+            yield ((slice(r0, r1),), (rank * n + r0) * inner, (rank * n + r1) * inner,
+                   lambda v, r=r1 - r0: tf.reshape(v, (r,) + full_shape[1:]))
+        return
+    # blocks of whole trailing axes [k, ...): a prefix index over axes < k - 1 and a range
+    # of axis k - 1; this rank keeps its part of ``axis`` (k <= axis) of each
+    k = next(i for i in range(axis + 1)
+             if i == axis or math.prod(full_shape[i:]) <= _BLOCK_ELEMENTS)
+    tail = math.prod(full_shape[k:])
+    if k == 0:
+        prefixes, rows, length = [()], 1, 1
+    else:
+        prefixes = list(_product(full_shape[:k - 1]))
+        length = full_shape[k - 1]
+        rows = max(1, _BLOCK_ELEMENTS // tail)
+    for prefix in prefixes:
+        for r0 in range(0, length, rows):
+            r1 = min(r0 + rows, length)
+            lead = prefix + ((slice(r0, r1),) if k else ())
+            flat = 0
+            for i, d in enumerate(full_shape[:k]):
+                flat = flat * d + (prefix[i] if i < k - 1 else r0)
+            shape = ((r1 - r0,) if k else ()) + full_shape[k:]
+            cut = (slice(None),) * (axis - k + (1 if k else 0)) + (slice(rank * n,
+                                                                        (rank + 1) * n),)
+
+            def keep(v, shape=shape, cut=cut):
+                return tf.reshape(v, shape)[cut]
+            yield lead, flat * tail, (flat + (r1 - r0 if k else 1)) * tail, keep
+
+
+def _write(target, draw, full_shape, axis: int, rank: int, n: int) -> None:
+    """Write this rank's slice into the tf.Variable ``target``, one drawn block at a time."""
+    shape = [int(d) for d in target.shape]
+    for lead, start, stop, keep in _blocks(full_shape, axis, rank, n):
+        begin, end = [0] * len(shape), list(shape)
+        for i, index in enumerate(lead):
+            begin[i], end[i] = ((index.start, index.stop) if isinstance(index, slice)
+                                else (index, index + 1))
+        part = tf.reshape(keep(draw(start, stop)), [e - b for b, e in zip(begin, end)])
+        # the raw op writes in place; ``target[...].assign`` would first read the variable,
+        # and the read's alias of its buffer makes the write copy the whole variable
+        tf.raw_ops.ResourceStridedSliceAssign(ref=target.handle, begin=begin, end=end,
+                                              strides=[1] * len(shape), value=part)
+
+
+def _product(dims):
+    import itertools
+    return itertools.product(*(range(d) for d in dims))
+
+
+def sliced_initializer(initializer, full_shape, axis: int, rank: int, size: int):
+    """Initializer: slice ``rank`` of ``size`` along ``axis`` of ``initializer(full_shape)``.
+
+    The values are those of the full draw (Keras's seeded initializers are
+    stateless Philox draws: an element depends only on the seed and its place),
+    but the full tensor is never held: it is drawn in blocks of at most ~1M
+    elements, each from its own Philox counter, and this rank keeps its part
+    of each. ``init.write(variable)`` writes the slice in place into a
+    ``tf.Variable`` (peak: one block; what the layers' build does); called as an
+    initializer, it returns the slice as one tensor. Zeros, ones, a scalar
+    constant: made at
+    the slice's shape. An initializer that is not a seeded uniform / normal /
+    truncated-normal draw (orthogonal, identity, unseeded, a ``SeedGenerator``
+    seed, your own) is drawn whole and sliced, as Keras would draw it (its peak
+    is the full tensor).
+    """
+    full_shape = tuple(int(d) for d in full_shape)
+    n = full_shape[axis] // size
+    begin = [0] * len(full_shape)
+    begin[axis] = rank * n
+
+    def _dtype(dtype):
+        return tf.as_dtype(keras.backend.standardize_dtype(dtype or keras.backend.floatx()))
+
+    def init(shape, dtype=None):
+        dtype = _dtype(dtype)
+        if _shape_free(initializer):
+            return initializer(shape, dtype=dtype.name)
+        draw = _block_draw(initializer, full_shape, dtype)
+        if draw is None:
+            full = initializer(full_shape, dtype=dtype.name)
+            return tf.slice(tf.convert_to_tensor(full), begin, shape)
+        # as one tensor (peak: twice the slice); the layers' build writes into the weight
+        # itself instead (``_TensorParallel._add_sliced``)
+        scratch = tf.Variable(lambda: tf.raw_ops.Empty(shape=shape, dtype=dtype, init=False),
+                              trainable=False)
+        _write(scratch, draw, full_shape, axis, rank, n)
+        return tf.convert_to_tensor(scratch)
+
+    def write(variable) -> bool:
+        """Write the slice in place into ``variable`` (a tf.Variable of the slice's shape),
+        block by block (peak: one block); False, writing nothing, where that is impossible."""
+        if _shape_free(initializer) or not isinstance(variable, tf.Variable):
+            return False
+        draw = _block_draw(initializer, full_shape, _dtype(variable.dtype))
+        if draw is None:
+            return False
+        _write(variable, draw, full_shape, axis, rank, n)
+        return True
+
+    init.write = write
+    return init
+
+
+def _uninitialised(shape, dtype=None):
+    """Initializer for a weight that is written in full right after: memory left as is."""
+    return tf.raw_ops.Empty(shape=shape, dtype=tf.as_dtype(dtype or keras.backend.floatx()),
+                            init=False)
+
+
 class _TensorParallel(keras.layers.Layer):
     """Shared by the tensor-parallel layers: the group, the sliced initialisation."""
 
@@ -115,14 +375,26 @@ class _TensorParallel(keras.layers.Layer):
         self._slot, self.tensor_size, self.tensor_rank = _tensor_group(grid)
 
     def _sliced(self, initializer, full_shape, axis):
-        """An initializer drawing the full ``full_shape`` tensor and keeping this rank's slice."""
-        def init(shape, dtype=None):
-            full = initializer(full_shape, dtype=dtype)
-            n = full_shape[axis] // self.tensor_size
-            begin = [0] * len(full_shape)
-            begin[axis] = self.tensor_rank * n
-            return tf.slice(tf.convert_to_tensor(full), begin, shape)
-        return init
+        """An initializer giving this rank's slice of ``initializer(full_shape)`` along ``axis``."""
+        return sliced_initializer(initializer, full_shape, axis, self.tensor_rank,
+                                  self.tensor_size)
+
+    def _add_sliced(self, name, shape, initializer, full_shape, axis):
+        """A weight holding this rank's slice of ``initializer(full_shape)`` along ``axis``.
+
+        Where the slice can be drawn in blocks, the weight is made over an uninitialised
+        buffer (TF adopts it, untouched) and each block is written into it in place, so
+        the rank never holds more than its slice plus one block.
+        """
+        init = self._sliced(initializer, full_shape, axis)
+        if _shape_free(initializer) or _recipe(initializer, tuple(full_shape)) is None:
+            return self.add_weight(name=name, shape=shape, initializer=init)
+        weight = self.add_weight(name=name, shape=shape, initializer=_uninitialised)
+        # ``value`` is the backing tf.Variable (a tensor under an autocast scope, or None
+        # while Keras defers creating it: then the slice is assigned whole)
+        if not init.write(weight.value):
+            weight.assign(init(shape, weight.dtype))
+        return weight
 
     def parameter_bytes(self) -> int:
         """Bytes of this rank's shard of the layer's weights."""
@@ -170,13 +442,10 @@ class ColumnParallelDense(_ParallelDense):
 
     def build(self, input_shape):
         in_dim = int(input_shape[-1])
-        self.kernel = self.add_weight(
-            name="kernel", shape=(in_dim, self.local_units),
-            initializer=self._sliced(self.kernel_initializer, (in_dim, self.units), 1))
-        self.bias = self.add_weight(
-            name="bias", shape=(self.local_units,),
-            initializer=self._sliced(self.bias_initializer, (self.units,), 0)
-        ) if self.use_bias else None
+        self.kernel = self._add_sliced("kernel", (in_dim, self.local_units),
+                                       self.kernel_initializer, (in_dim, self.units), 1)
+        self.bias = self._add_sliced("bias", (self.local_units,), self.bias_initializer,
+                                     (self.units,), 0) if self.use_bias else None
 
     def call(self, inputs):
         x = copy_to_tensor_group(inputs, self._slot)
@@ -224,9 +493,8 @@ class RowParallelDense(_ParallelDense):
             in_dim = local
             local = _split(in_dim, self.tensor_size, "the input features", type(self).__name__)
         self.local_in = local
-        self.kernel = self.add_weight(
-            name="kernel", shape=(local, self.units),
-            initializer=self._sliced(self.kernel_initializer, (in_dim, self.units), 0))
+        self.kernel = self._add_sliced("kernel", (local, self.units), self.kernel_initializer,
+                                       (in_dim, self.units), 0)
         self.bias = self.add_weight(name="bias", shape=(self.units,),
                                     initializer=self.bias_initializer) if self.use_bias else None
 
@@ -281,13 +549,10 @@ class ParallelConv2D(_TensorParallel):
     def build(self, input_shape):
         cin = int(input_shape[-1])
         full = self.kernel_size + (cin, self.filters)
-        self.kernel = self.add_weight(
-            name="kernel", shape=self.kernel_size + (cin, self.local_filters),
-            initializer=self._sliced(self.kernel_initializer, full, 3))
-        self.bias = self.add_weight(
-            name="bias", shape=(self.local_filters,),
-            initializer=self._sliced(self.bias_initializer, (self.filters,), 0)
-        ) if self.use_bias else None
+        self.kernel = self._add_sliced("kernel", self.kernel_size + (cin, self.local_filters),
+                                       self.kernel_initializer, full, 3)
+        self.bias = self._add_sliced("bias", (self.local_filters,), self.bias_initializer,
+                                     (self.filters,), 0) if self.use_bias else None
 
     def call(self, inputs):
         x = copy_to_tensor_group(inputs, self._slot)

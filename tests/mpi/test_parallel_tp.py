@@ -322,3 +322,54 @@ def test_save_model_gathers_shards_into_plain_keras(tmp_path):
                                        rtol=1e-5, atol=1e-6)
     with pytest.raises(ValueError, match="no grid"):
         mp.save_model(model, path)
+
+
+def _memory_kib(field):
+    with open("/proc/self/status") as status:
+        return next(int(line.split()[1]) for line in status if line.startswith(field))
+
+
+def test_layers_build_only_their_shard(monkeypatch):
+    """Each rank creates only its slice of the kernel and bias (same values as the full
+    seeded draw), and building never holds the whole kernel: peak growth of a
+    8192x8192 ColumnParallelDense is about its 128 MiB shard, not the 256 MiB kernel."""
+    from matex.parallel import _tensor
+
+    ki = keras.initializers
+    with mp.grid(tensor=T) as g:
+        t = g.tensor_rank
+        # values: multi-block draws (blocks of 7 elements) equal the full draw's slice
+        monkeypatch.setattr(_tensor, "_BLOCK_ELEMENTS", 7, raising=False)
+        for init in (_init(20), ki.HeNormal(21), ki.RandomNormal(0.5, 2.0, seed=22),
+                     ki.TruncatedNormal(0.0, 0.3, seed=23)):
+            col = mp.ColumnParallelDense(10, kernel_initializer=init, bias_initializer=init,
+                                         grid=g)
+            row = mp.RowParallelDense(6, kernel_initializer=init, bias_initializer=init,
+                                      grid=g, input_is_parallel=False)
+            conv = mp.ParallelConv2D(8, 3, kernel_initializer=init, bias_initializer=init,
+                                     grid=g)
+            col.build((None, 13))
+            row.build((None, 10))
+            conv.build((None, 5, 5, 3))
+            for layer, weights in (
+                    (col, [init((13, 10))[:, 5 * t:5 * t + 5], init((10,))[5 * t:5 * t + 5]]),
+                    (row, [init((10, 6))[5 * t:5 * t + 5], init((6,))]),
+                    (conv, [init((3, 3, 3, 8))[..., 4 * t:4 * t + 4],
+                            init((8,))[4 * t:4 * t + 4]])):
+                for got, want in zip(layer.weights, weights):
+                    np.testing.assert_array_equal(got.numpy(), np.asarray(want))
+        monkeypatch.undo()
+        # memory: only shard-shaped variables, and the build's peak is about the shard
+        big = mp.ColumnParallelDense(8, kernel_initializer=_init(24), grid=g)
+        big.build((None, 8))                        # warm up the ops
+        n, full = 8192, 8192 * 8192 * 4
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")                            # reset the peak (VmHWM) to now
+        base = _memory_kib("VmRSS:")
+        big = mp.ColumnParallelDense(n, kernel_initializer=_init(24), grid=g)
+        big.build((None, n))
+        grown = (_memory_kib("VmHWM:") - base) * 1024
+        assert [tuple(w.shape) for w in big.weights] == [(n, n // T), (n // T,)]
+        assert mp.parameter_bytes(big) == (full + 4 * n) // T
+        assert full / T * 0.9 < grown < full * 0.75, (grown / 2 ** 20, full / 2 ** 20)
+        del big
