@@ -236,3 +236,27 @@ def test_timeline_overhead_driver(tmp_path):
     # every recorded step's collectives and phases reached the file
     assert worker["events_per_file"] >= results["steps"]
     assert 0 < worker["writer_cpu_ms_per_step"] < min(worker["ms_per_step"].values())
+
+
+def test_small_models_driver(tmp_path):
+    """Small recurrent models: per-step CPU time and step ops, plain Keras vs matex, 1/2 ranks."""
+    stdout, results = run_driver("small_models", tmp_path)
+    assert_finite_table(stdout)
+    rows = table_rows(stdout)
+    configs = ("2 processes, plain Keras each", "2 ranks, matex")   # --quick: 2 ranks only
+    assert [row[:2] for row in rows] == [
+        [model, config] for model in ("addition_rnn", "bidirectional_lstm") for config in configs]
+    assert all(row[-1] == "1.00" for row in rows[::2])   # plain Keras: the ratios' baseline
+    assert set(results) == {"ranks2"} and results["ranks2"]["ranks"] == 2
+    for phase in results.values():
+        for kinds in phase["models"].values():
+            assert set(kinds) == {"keras", "matex"}
+            for figures in kinds.values():
+                assert all(math.isfinite(figures[k]) and figures[k] > 0
+                           for k in ("cpu_ms", "wall_ms", "ops"))
+    for phase in results.values():
+        rnn = phase["models"]["addition_rnn"]
+        assert rnn["keras"]["matex_ops"] == 0 and rnn["matex"]["matex_ops"] >= 2
+        # fit on arrays traces the step Keras traces (static batch rows, float32 labels) plus
+        # MaTEx's reductions: 1239 vs 1308 ops; 1460 when its batch rows were unknown
+        assert rnn["matex"]["ops"] - rnn["keras"]["ops"] < 150, rnn
