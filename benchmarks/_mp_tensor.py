@@ -15,7 +15,10 @@ bytes each rank hands to collectives of more than one rank (flight-recorder
 entries: the gradient allreduce for replicated; for tensor the forward
 activation allreduce; the backward one, of the block's input gradient, is
 pruned by TensorFlow because the input is data), plus the
-parameter bytes each rank holds. Every rank uses one TensorFlow thread.
+parameter bytes each rank holds, the peak resident growth per rank while the
+model's weights are created (the slowest rank), and, for tensor, the peak
+growth of ``gather_model`` on rank 0 and on the other rank. Every rank uses one
+TensorFlow thread.
 """
 
 import os
@@ -44,9 +47,12 @@ def worker(args):
     x = rng.normal(size=(batch, d)).astype("float32")
     y = rng.normal(size=(batch, d)).astype("float32")
     init = keras.initializers.GlorotUniform(seed=0)
-    grid = None
+    grid = mp.grid(tensor=comm.Get_size()) if args.mode == "tensor" else None
+    if grid is not None:
+        mp.ColumnParallelDense(8, kernel_initializer=init).build((None, 8))   # load the ops
+    keras.layers.Dense(8, kernel_initializer=init).build((None, 8))
+    base = _reset_peak()
     if args.mode == "tensor":
-        grid = mp.grid(tensor=comm.Get_size())
         model = keras.Sequential([
             keras.Input((d,)),
             mp.ColumnParallelDense(4 * d, "relu", kernel_initializer=init, gather_output=False),
@@ -58,6 +64,7 @@ def worker(args):
                                   keras.layers.Dense(d, kernel_initializer=init)])
         n, r = batch // comm.Get_size(), comm.Get_rank()
         xs, ys = x[r * n:(r + 1) * n], y[r * n:(r + 1) * n]
+    build_peak = _peak_growth(base)       # the weights' creation, before any step
     model.compile(optimizer=matex.DistributedOptimizer(keras.optimizers.SGD(1e-3)), loss="mse")
     for _ in range(2):
         model.train_on_batch(xs, ys)          # traced, first-step broadcast done
@@ -76,11 +83,37 @@ def worker(args):
               "step_s": max(world.allgather(statistics.median(times))),
               "bytes_per_step": max(world.allgather(moved / args.steps)),
               "parameter_bytes": max(world.allgather(mp.parameter_bytes(model))),
+              "build_peak_bytes": max(world.allgather(build_peak)),
               "cores": os.cpu_count()}
+    if grid is not None:
+        # gathering the whole model to rank 0, streamed weight by weight: each rank's peak
+        base = _reset_peak()
+        whole = mp.gather_model(model, grid)
+        peaks = world.allgather(_peak_growth(base))
+        result["gather_peak_root_bytes"] = peaks[0]
+        result["gather_peak_other_bytes"] = max(peaks[1:] or [0])
+        del whole
     rank = world.Get_rank()
     if grid is not None:
         grid.close()
     _common.emit(result, rank)
+
+
+def _memory_kib(field):
+    with open("/proc/self/status") as status:
+        return next(int(line.split()[1]) for line in status if line.startswith(field))
+
+
+def _reset_peak():
+    """Reset this process's peak resident size (VmHWM) to now; returns the resident KiB."""
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")
+    return _memory_kib("VmRSS:")
+
+
+def _peak_growth(base):
+    """Bytes the peak resident size grew above ``base`` (KiB, from ``_reset_peak``)."""
+    return (_memory_kib("VmHWM:") - base) * 1024
 
 
 def section(script, args, results):
@@ -101,14 +134,21 @@ def section(script, args, results):
                      "%.2f" % (r["bytes_per_step"] / 1e6),
                      "%.2f" % (r["bytes_per_step"] / base["bytes_per_step"]),
                      "%.2f" % (r["parameter_bytes"] / 1e6),
-                     "%.2f" % (r["parameter_bytes"] / base["parameter_bytes"])])
+                     "%.2f" % (r["parameter_bytes"] / base["parameter_bytes"]),
+                     "%.1f" % (r["build_peak_bytes"] / 1e6)])
     print("### Tensor parallel: 2-way Dense split vs replicated (2 ranks; Dense %d -> %d -> %d, "
           "global batch %d, 1 thread per rank, %d cores)\n"
           % (width, 4 * width, width, batch, base["cores"]))
     print(_common.table(["layout", "step ms", "time ratio", "MB to collectives per rank/step",
-                         "bytes ratio", "parameter MB per rank", "parameter ratio"], rows))
+                         "bytes ratio", "parameter MB per rank", "parameter ratio",
+                         "build peak MB per rank"], rows))
     print()
     tp = runs["tensor"]
+    print("Gathering the tensor-parallel model to rank 0 (mp.gather_model, streamed weight by "
+          "weight): peak growth %.1f MB on rank 0 (it builds the whole plain model, %.1f MB), "
+          "%.1f MB on the other rank.\n"
+          % (tp["gather_peak_root_bytes"] / 1e6, 2 * tp["parameter_bytes"] / 1e6,
+             tp["gather_peak_other_bytes"] / 1e6))
     expect = 4 * batch * width   # the forward allreduce of batch x width float32
     print("Expected tensor-parallel payload: one allreduce of %d x %d float32 = %.2f MB per step "
           "(the backward one, of the block's input gradient, is pruned: the input is data); "

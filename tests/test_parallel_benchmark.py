@@ -35,6 +35,11 @@ def test_tensor_parallel_benchmark_quick(tmp_path):
             or line.startswith("| tensor")]
     assert len(rows) == 2, proc.stdout
     assert "each rank holds about half the parameters: MET" in proc.stdout
+    # peak memory per rank: building the weights, and (tensor) gathering them to rank 0
+    assert "build peak MB per rank" in proc.stdout and "Gathering the tensor-parallel" in \
+        proc.stdout
+    assert all(r["build_peak_bytes"] >= 0 for r in (rep, tp))
+    assert tp["gather_peak_root_bytes"] >= 0 and tp["gather_peak_other_bytes"] >= 0
 
 
 def test_pipeline_bubble_benchmark_quick(tmp_path):

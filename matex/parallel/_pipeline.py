@@ -435,18 +435,22 @@ class PipelineModel(PipelineExecution, PipelineCheckpoints, keras.Model):
         tensor-parallel layers (``ColumnParallelDense``, ``RowParallelDense``,
         ``ParallelConv2D``) the ordinary ``Dense`` / ``Conv2D`` they split, their
         shards concatenated over the tensor group, so the result is plain Keras.
-        Data replica 0 provides the weights (the replicas are equal). An error on
-        any rank is a ValueError on every rank, naming the failing rank.
+        Data replica 0 provides the weights (the replicas are equal), streamed to
+        ``root`` one weight at a time (``_tensor.stream_gather``, shared with
+        ``matex.parallel.gather_model``): root holds the model it returns plus one
+        weight, the others only their own pieces. An error on any rank is a
+        ValueError on every rank, naming the failing rank.
         """
         from matex.parallel import _tensor
 
         self._require_built()
         L = self._layout
+        what = "matex.parallel: gathering the pipeline"
 
         def collect():
-            mine = {}
+            offers = []
             if L.data_rank != 0:
-                return mine
+                return offers
             for name in self.plan.stage_layers[L.pipeline_rank]:
                 layer = self.stage.get_layer(name)
                 if isinstance(layer, _tensor._TensorParallel):
@@ -454,30 +458,23 @@ class PipelineModel(PipelineExecution, PipelineCheckpoints, keras.Model):
                         raise ValueError(
                             "matex.parallel: layer %r is tensor-parallel but this pipeline "
                             "has no grid; pass grid= (the grid its layers use)" % name)
-                    # the whole tensor group takes part; its rank 0 keeps the result
-                    got = _tensor.gathered_layer(layer, L.grid.tensor_comm,
-                                                 keep=L.tensor_rank == 0)
-                    if got is not None:
-                        mine[name] = got[2]
-                elif L.tensor_rank == 0:
-                    mine[name] = [np.asarray(v) for v in layer.weights]
-            return mine
+                elif L.tensor_rank != 0:
+                    continue
+                offers.extend(_tensor.weight_offers(layer, (name,)))
+            return offers
 
         # every rank raises the same error (ValueError) if collecting failed anywhere
-        mine = on_every_rank(L.control, collect, error_type=ValueError,
-                             what="matex.parallel: gathering the pipeline")
-        pieces = L.control.gather(mine, root=root)
+        offers = on_every_rank(L.control, collect, error_type=ValueError, what=what)
+        # root builds the plain model, then receives it weight by weight (one at a time)
+        whole = on_every_rank(L.control, lambda: self._assembled({})
+                              if L.world_rank == root else None,
+                              error_type=ValueError, what=what)
 
-        def assemble():
-            if L.world_rank != root:
-                return None
-            weights = {}
-            for piece in pieces:
-                weights.update(piece)
-            return self._assembled(weights)
+        def sink(key, value):
+            whole.get_layer(key[0]).weights[key[1]].assign(value)
 
-        return on_every_rank(L.control, assemble, error_type=ValueError,
-                             what="matex.parallel: gathering the pipeline")
+        _tensor.stream_gather(L.control, root, offers, sink, what)
+        return whole
 
     def _assembled(self, weights):
         """The whole model as plain Keras, with ``weights`` (layer name -> arrays)."""

@@ -696,19 +696,135 @@ def gathered_layer(layer, tensor_comm, keep: bool = True):
     return cls, config, weights
 
 
+_STREAM_TAG = 0x5e17
+
+
+def weight_offers(layer, key) -> list:
+    """What this rank can give of ``layer``'s plain-Keras weights, for ``stream_gather``:
+    ``(key + (i,), part, parts, axis, value)`` per weight ``i``, where ``value()`` is this
+    rank's piece (a shard along ``axis``, ``part`` of ``parts``; or the whole, parts 1)."""
+    if not isinstance(layer, _TensorParallel):
+        return [(key + (i,), 0, 1, None, (lambda w=w: _numpy(w)))
+                for i, w in enumerate(layer.weights)]
+    row = isinstance(layer, RowParallelDense)
+    t, size = layer.tensor_rank, layer.tensor_size
+    offers = [(key + (0,), t, size, 0 if row else len(layer.kernel.shape) - 1,
+               lambda: _numpy(layer.kernel))]
+    if layer.use_bias:
+        offers.append((key + (1,), 0, 1, None, lambda: _numpy(layer.bias)) if row else
+                      (key + (1,), t, size, 0, lambda: _numpy(layer.bias)))
+    return offers
+
+
+def _numpy(variable):
+    import numpy as np
+    return np.asarray(variable)
+
+
+def stream_gather(comm, root: int, offers, sink, what: str) -> None:
+    """Hand ``root`` every weight, whole, one at a time: ``sink(key, array)`` there.
+
+    Collective over the mpi4py ``comm``. ``offers``: this rank's
+    ``(key, part, parts, axis, value)`` (``weight_offers``); several ranks may
+    offer the same piece (data replicas): the lowest rank gives it. Root agrees a
+    plan (which rank sends which piece, in key order), then receives the pieces
+    of one weight, concatenates them along ``axis`` and hands the whole to
+    ``sink`` before the next: its peak is one weight, and no rank but root ever
+    holds more than its own pieces (today's allgather of whole layers to every
+    tensor rank and pickled gather of every stage are gone). Shared by
+    ``gather_model`` and ``PipelineModel.gather_model``. An error anywhere (a
+    missing piece, ``sink`` on root) is raised on every rank, after the
+    transfers (no rank is left waiting).
+    """
+    import numpy as np
+
+    me = comm.Get_rank()
+    mine = {(key, part): value for key, part, _, _, value in offers}
+    meta = [(key, part, parts, axis) for key, part, parts, axis, _ in offers]
+
+    def make_plan():
+        everyone = comm.gather(meta, root=root)
+        if me != root:
+            return None
+        plan, shape = {}, {}
+        for rank, items in enumerate(everyone):
+            for key, part, parts, axis in items:
+                if shape.setdefault(key, (parts, axis)) != (parts, axis):
+                    raise ValueError("%s: %s is split %s on one rank, %s on another"
+                                     % (what, key, shape[key], (parts, axis)))
+                plan.setdefault(key, {}).setdefault(part, rank)
+        steps = []
+        for key in sorted(plan):
+            parts, axis = shape[key]
+            if sorted(plan[key]) != list(range(parts)):
+                raise ValueError("%s: no rank holds part(s) %s of %s" % (
+                    what, sorted(set(range(parts)) - set(plan[key])), key))
+            steps.append((key, [plan[key][p] for p in range(parts)], axis))
+        return steps
+
+    plan = comm.bcast(on_every_rank(comm, make_plan, error_type=ValueError, what=what),
+                      root=root)
+    failure = []
+
+    def piece(key, part):
+        try:
+            return mine[(key, part)]()
+        except Exception as exc:  # noqa: BLE001 - raised on every rank below
+            failure.append(exc)
+            return None
+
+    def send(value):
+        # a small header, then the array's own buffer (no pickled copy of it)
+        value = None if value is None else np.ascontiguousarray(value)
+        comm.send(None if value is None else (value.shape, value.dtype), dest=root,
+                  tag=_STREAM_TAG)
+        if value is not None:       # as bytes: any dtype (bfloat16 too)
+            comm.Send(value.reshape(-1).view(np.uint8), dest=root, tag=_STREAM_TAG)
+
+    def receive(rank):
+        header = comm.recv(source=rank, tag=_STREAM_TAG)
+        if header is None:
+            return None
+        value = np.empty(header[0], header[1])
+        comm.Recv(value.reshape(-1).view(np.uint8), source=rank, tag=_STREAM_TAG)
+        return value
+
+    for key, ranks, axis in plan:
+        for part, rank in enumerate(ranks):
+            if rank == me and me != root:
+                send(piece(key, part))
+        if me != root:
+            continue
+        pieces = [piece(key, part) if rank == me else receive(rank)
+                  for part, rank in enumerate(ranks)]
+        if failure or any(p is None for p in pieces):
+            continue                     # keep receiving: the senders must not wait
+        try:
+            sink(key, pieces[0] if len(pieces) == 1 else np.concatenate(pieces, axis=axis))
+        except Exception as exc:  # noqa: BLE001 - raised on every rank below
+            failure.append(exc)
+        del pieces
+
+    def report():
+        if failure:
+            raise failure[0]
+    on_every_rank(comm, report, error_type=ValueError, what=what)
+
+
 def gather_model(model, grid=None, root: int = 0):
     """A plain Keras copy of ``model`` with whole weights, on world rank ``root`` (None elsewhere).
 
     For a (non-pipelined) model holding ``ColumnParallelDense``,
     ``RowParallelDense`` or ``ParallelConv2D`` layers: each becomes the
     ``Dense`` / ``Conv2D`` it splits, its shards concatenated over the tensor
-    group (``gathered_layer``); other layers keep ``root``'s weights (they are
-    replicated). Collective over the grid's ranks (default: the open grid);
-    an error on any rank is raised on every rank. ``root`` is a rank of the
-    grid's ``world_comm``. For a ``PipelineModel`` use its own ``save``.
+    group; other layers keep their (replicated) weights. Root builds the plain
+    model first, then receives it weight by weight (``stream_gather``): besides
+    the model it returns, it holds one weight at a time; the other ranks send
+    their shards and hold nothing more. Collective over the grid's ranks
+    (default: the open grid); an error on any rank is raised on every rank.
+    ``root`` is a rank of the grid's ``world_comm``. For a ``PipelineModel`` use
+    its own ``save``.
     """
-    import numpy as np
-
     from matex.parallel import _grid
 
     grid = grid if grid is not None else _grid.current()
@@ -717,9 +833,9 @@ def gather_model(model, grid=None, root: int = 0):
                          "pass grid=")
     world = grid.world_comm
     keep = world.Get_rank() == root
+    what = "matex.parallel: gathering %s" % model.name
 
-    def collect():
-        gathered = {}
+    def check():
         layers = [layer for layer in model.layers if isinstance(layer, _TensorParallel)]
         nested = [layer.name for layer in _compat.flatten_layers(model)
                   if isinstance(layer, _TensorParallel) and layer not in layers]
@@ -727,36 +843,35 @@ def gather_model(model, grid=None, root: int = 0):
             raise ValueError("tensor-parallel layer(s) %s sit in a nested model; only "
                              "top-level ones are gathered" % ", ".join(nested))
         for layer in layers:
-            got = gathered_layer(layer, grid.tensor_comm, keep=keep)
-            if got is not None:
-                gathered[id(layer)] = got
-        return gathered
+            if not layer.built:
+                raise ValueError("gather_model: %s is not built" % layer.name)
+            if grid.tensor_comm.Get_size() != layer.tensor_size:
+                raise ValueError("gather_model: %s is split %d ways, but the tensor group "
+                                 "has %d ranks" % (layer.name, layer.tensor_size,
+                                                   grid.tensor_comm.Get_size()))
 
-    what = "matex.parallel: gathering %s" % model.name
-    gathered = on_every_rank(world, collect, error_type=ValueError, what=what)
+    on_every_rank(world, check, error_type=ValueError, what=what)
 
     def clone(layer):
-        if id(layer) in gathered:
-            cls, config, _ = gathered[id(layer)]
+        if isinstance(layer, _TensorParallel):
+            cls, config = _plain_config(layer)
             return cls.from_config(config)
         return layer.__class__.from_config(layer.get_config())
 
-    def assemble():
-        if not keep:
-            return None
-        whole = keras.models.clone_model(model, clone_function=clone)
-        by_name = {layer.name: layer for layer in model.layers}
-        for layer in whole.layers:
-            source = by_name.get(layer.name)
-            if source is None or not layer.weights:
-                continue
-            got = gathered.get(id(source))
-            layer.set_weights(got[2] if got is not None
-                              else [np.asarray(w) for w in source.weights])
-        return whole
+    def skeleton():
+        # root builds the plain model (weights still its own initial ones)
+        return keras.models.clone_model(model, clone_function=clone) if keep else None
 
-    # root builds the copy; an error there is raised on every rank too
-    return on_every_rank(world, assemble, error_type=ValueError, what=what)
+    whole = on_every_rank(world, skeleton, error_type=ValueError, what=what)
+    offers = []
+    for index, layer in enumerate(model.layers):
+        offers.extend(weight_offers(layer, (index,)))
+
+    def sink(key, value):
+        whole.layers[key[0]].weights[key[1]].assign(value)
+
+    stream_gather(world, root, offers, sink, what)
+    return whole
 
 
 def save_model(model, filepath, grid=None, root: int = 0, overwrite: bool = True) -> None:
