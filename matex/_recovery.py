@@ -217,15 +217,35 @@ def run_resilient(step, num_steps, variables, optimizer, undo_on_redo=()):
     Returns the number of recoveries.
     """
     variables, undo = list(variables), list(undo_on_redo)
-    state = VariablesState(lambda: variables, lambda: optimizer.iterations, lambda: undo)
+
+    def after_sync():   # the recovery's broadcast replaced the first-step one (see fit's)
+        from matex import _optimizer
+
+        _optimizer.mark_first_step_synced(optimizer)
+
+    state = VariablesState(lambda: variables, lambda: optimizer.iterations, lambda: undo,
+                           after_sync)
     states = [state] + optimizer_states(optimizer, lambda: variables)
     recoveries = []
 
     def body():
+        first_step_sync()
         while int(optimizer.iterations) < num_steps:
             for s in states:
                 s.begin_step()
             step(int(optimizer.iterations))
+
+    def first_step_sync():
+        """Rank 0's values, eagerly, before the step is first traced. The optimizer would
+        broadcast them while its ``apply`` is traced; a rank lost then would abort the
+        script's ``tf.function`` in its first trace, after which TensorFlow refuses to
+        create variables in any later trace ("Creating variables on a non-first call")."""
+        from matex import _collectives, _optimizer
+
+        if getattr(getattr(optimizer, "_matex", None), "synced", True):
+            return
+        _collectives.broadcast_variables([v for v in variables if _optimizer.has_value(v)], 0)
+        _optimizer.mark_first_step_synced(optimizer)
 
     run(body, states, on_recovered=recoveries.append)
     return len(recoveries)
