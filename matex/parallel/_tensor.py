@@ -658,44 +658,6 @@ def _plain_config(layer) -> tuple:
     return keras.layers.Dense, dict(common, units=layer.units)
 
 
-def gathered_layer(layer, tensor_comm, keep: bool = True):
-    """The ordinary Keras layer a tensor-parallel ``layer`` stands for, with its whole weights.
-
-    Collective over ``tensor_comm`` (an mpi4py communicator of the layer's
-    tensor group; every rank of the group calls it for the same layer).
-    Column-split weights (a ``ColumnParallelDense``'s kernel and bias, a
-    ``ParallelConv2D``'s) are concatenated along the output features, a
-    ``RowParallelDense``'s kernel along its input features (its bias is
-    replicated). Returns ``(class, config, weights)`` (numpy arrays in
-    ``get_weights`` order) on the ranks where ``keep`` is true, else None:
-    the result is plain Keras, so a model holding it saves and loads without
-    MaTEx. ``gather_output`` / ``input_is_parallel`` do not matter: the
-    plain layer computes the whole output from the whole input, so a chain of
-    split layers becomes the same chain unsplit.
-    """
-    import numpy as np
-
-    if not isinstance(layer, _TensorParallel):
-        raise TypeError("gathered_layer: %s is not a tensor-parallel layer"
-                        % type(layer).__name__)
-    if not layer.built:
-        raise ValueError("gathered_layer: %s is not built" % layer.name)
-    if tensor_comm.Get_size() != layer.tensor_size:
-        raise ValueError("gathered_layer: %s is split %d ways, but the communicator has %d "
-                         "ranks" % (layer.name, layer.tensor_size, tensor_comm.Get_size()))
-    mine = [np.asarray(layer.kernel)] + ([np.asarray(layer.bias)] if layer.use_bias else [])
-    everyone = tensor_comm.allgather(mine)
-    if not keep:
-        return None
-    row = isinstance(layer, RowParallelDense)
-    kernel_axis = 0 if row else len(mine[0].shape) - 1
-    weights = [np.concatenate([w[0] for w in everyone], axis=kernel_axis)]
-    if layer.use_bias:
-        weights.append(mine[1] if row else np.concatenate([w[1] for w in everyone], axis=0))
-    cls, config = _plain_config(layer)
-    return cls, config, weights
-
-
 _STREAM_TAG = 0x5e17
 
 
