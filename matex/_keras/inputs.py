@@ -124,7 +124,7 @@ class TrainInput:
         """
         x, y, sw, batch, shuffle, seed = self.raw
         if self.shards is not None:
-            return self.shards.dataset(epoch, step), None, None, None
+            return self.shards.dataset(epoch, step, fixed_comm=True), None, None, None
         if step and self.steps:
             x = x.skip(step)
         elif step:
