@@ -147,3 +147,30 @@ def test_xla_split_matches_plain_step():
         results.append(model.get_weights())
     for a, b in zip(*results):
         np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-5)
+
+
+def test_fit_does_not_read_the_step_counter_on_the_host_every_step():
+    # A host read of optimizer.iterations per step (for fault injection, off here) cost
+    # every step an eager op and a wait for the step's end
+    import matex.keras  # noqa: F401
+    from matex import _compat
+
+    variable_class = _compat.keras_variable_class()
+    original = variable_class.__int__
+    reads = []
+
+    def counting(self):
+        reads.append(getattr(self, "path", ""))
+        return original(self)
+
+    x, y = rank_data(0, n=96)
+    model = make_model(5)
+    model.compile(optimizer=keras.optimizers.SGD(0.1), loss="sparse_categorical_crossentropy")
+    variable_class.__int__ = counting
+    try:
+        model.fit(x, y, batch_size=8, epochs=1, verbose=0)   # 12 steps
+    finally:
+        variable_class.__int__ = original
+    counter = [r for r in reads if "iteration" in r]
+    assert len(counter) < 12, reads
+    assert all_equal_bytes([w.numpy() for w in model.weights])
