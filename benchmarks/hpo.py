@@ -142,14 +142,19 @@ def search(task):
             trial = oracle.create_trial("driver")
             if trial.status != "RUNNING":
                 break
-            value = evaluate(function, trial.hyperparameters.values)
-            oracle.update_trial(trial.trial_id, {"score": value})
-            trial.status = "COMPLETED"
-            oracle.end_trial(trial)
-            best = min(best, value)
+            best = min(best, finish(oracle, trial, function))
             trace.append(best)
         seconds = time.perf_counter() - start
     return {"trace": trace, "s_per_trial": seconds / max(len(trace), 1)}
+
+
+def finish(oracle, trial, function):
+    """Evaluate ``trial`` and report it to ``oracle`` as a worker would; returns the value."""
+    value = evaluate(function, trial.hyperparameters.values)
+    oracle.update_trial(trial.trial_id, {"score": value})
+    trial.status = "COMPLETED"
+    oracle.end_trial(trial)
+    return value
 
 
 def search_async(task):
@@ -181,11 +186,7 @@ def search_async(task):
             start(worker)
         while running:
             now, worker, trial = heapq.heappop(running)
-            value = evaluate(function, trial.hyperparameters.values)
-            oracle.update_trial(trial.trial_id, {"score": value})
-            trial.status = "COMPLETED"
-            oracle.end_trial(trial)
-            best = min(best, value)
+            best = min(best, finish(oracle, trial, function))
             trace.append(best)
             start(worker)
         seconds = time.perf_counter() - begin
