@@ -18,7 +18,7 @@ from typing import Any, Callable, Optional, Type
 
 from matex.errors import MatexError
 
-__all__ = ["RemoteError", "on_every_rank", "agree_error", "describe"]
+__all__ = ["RemoteError", "on_every_rank", "on_root", "agree_error", "describe"]
 
 
 class RemoteError(MatexError):
@@ -76,6 +76,18 @@ def on_every_rank(comm, fn: Callable[..., Any], *args, error_type: Type[Exceptio
             discard(result)
         raise
     return result
+
+
+def on_root(comm, fn: Callable[..., Any], *args, root: int = 0,
+            error_type: Type[Exception] = RemoteError, what: str = "", **kwargs) -> Any:
+    """``fn(*args, **kwargs)`` on rank ``root`` of ``comm`` alone; its result on every rank.
+
+    Collective. If ``fn`` raised, every rank raises ``error_type`` (see
+    ``on_every_rank``); otherwise ``root``'s result is broadcast to all.
+    """
+    mine = on_every_rank(comm, lambda: fn(*args, **kwargs) if comm.Get_rank() == root else None,
+                         error_type=error_type, what=what)
+    return comm.bcast(mine, root=root)
 
 
 def _is_lost_rank(exc: BaseException) -> bool:

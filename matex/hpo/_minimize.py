@@ -97,13 +97,11 @@ def minimize(fn: Callable, space, oracle="lazy-gp", max_trials: int = 40,
 
     check_ranks_per_trial(ranks_per_trial, comm.Get_size())
     if directory is None:
-        from matex._everywhere import on_every_rank
+        from matex._everywhere import on_root
 
-        made = on_every_rank(   # rank 0 makes it; its error is every rank's
-            comm, lambda: tempfile.mkdtemp(prefix="matex-minimize-")
-            if comm.Get_rank() == 0 else None, error_type=_tuner.SearchError,
+        directory = on_root(   # rank 0 makes it; its error is every rank's
+            comm, tempfile.mkdtemp, prefix="matex-minimize-", error_type=_tuner.SearchError,
             what="matex.hpo.minimize: a directory for the search")
-        directory = comm.bcast(made, root=0)
         overwrite = True if overwrite is None else overwrite
     directory = os.fspath(directory)
     overwrite = False if overwrite is None else overwrite

@@ -48,7 +48,7 @@ import threading
 import time
 
 from matex import _compat, _config, _runtime
-from matex._everywhere import agree_error, on_every_rank
+from matex._everywhere import agree_error, on_every_rank, on_root
 from matex.hpo import _service
 from matex.hpo._groups import Groups, finish_trial
 
@@ -425,9 +425,8 @@ class Search:
             return self.handler.op_snapshot()
 
         try:
-            final = self.groups.service.bcast(on_every_rank(
-                self.groups.service, snapshot, error_type=SearchError,
-                what="matex.hpo: the search's results"), root=0)
+            final = on_root(self.groups.service, snapshot, error_type=SearchError,
+                            what="matex.hpo: the search's results")
         finally:
             self.groups.leave()
         if self.scratch is not None:

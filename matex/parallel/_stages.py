@@ -27,7 +27,7 @@ import keras
 import numpy as np
 
 from matex import _compat
-from matex._everywhere import on_every_rank
+from matex._everywhere import on_root
 
 
 @keras.saving.register_keras_serializable(package="matex")
@@ -331,15 +331,10 @@ def _plan(model, stages, pipeline_size, measure=layer_costs, agree=None):
         if stages < 1:
             raise ValueError("matex.parallel: stages must be >= 1, not %d" % stages)
         def choose():
-            if agree is None or agree.Get_rank() == 0:
-                return _plan_balanced(model, int(stages), measure).starts[1:]
-            return None
+            return _plan_balanced(model, int(stages), measure).starts[1:]
 
-        if agree is None:
-            names = choose()
-        else:
-            # rank 0 measures and chooses; any error there is raised on every rank
-            names = agree.bcast(on_every_rank(agree, choose, error_type=ValueError), root=0)
+        # rank 0 measures and chooses; any error there is raised on every rank
+        names = choose() if agree is None else on_root(agree, choose, error_type=ValueError)
         return _plan_from_cuts(model, names, pipeline_size)
     if isinstance(stages, (list, tuple)) and all(isinstance(s, str) for s in stages):
         return _plan_from_cuts(model, stages, pipeline_size)
