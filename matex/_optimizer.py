@@ -195,9 +195,6 @@ def has_value(variable):
     return tensor.shape == variable.shape
 
 
-_has_value = has_value   # the name other modules use
-
-
 def _last_collectives(graph):
     """The most recent MaTEx collective op in ``graph`` (as a list, maybe empty)."""
     if tf.executing_eagerly():

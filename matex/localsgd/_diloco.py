@@ -41,7 +41,7 @@ class DiLoCoStrategy(LocalStrategy):
 
     def _build(self, variables):
         with tf.init_scope():
-            ready = all(_optimizer._has_value(v) for v in variables)
+            ready = all(_optimizer.has_value(v) for v in variables)
             self.anchors = [
                 keras.Variable(tf.convert_to_tensor(v) if ready else tf.zeros(v.shape, v.dtype),
                                trainable=False, name="diloco_anchor_%d" % i)
