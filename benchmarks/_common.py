@@ -65,8 +65,7 @@ def run_phase(script, worker, nranks, args=(), mpi_args=(), timeout=1800):
         program[3:3] = ["-rc", "finalize=false"]
     cmd = launcher.mpiexec_command(nranks, program + list(args), mpi_args=mpi_args)
     try:
-        proc = subprocess.run(cmd, env=launch_env(), capture_output=True, text=True,
-                              timeout=timeout)
+        proc = launcher.run_captured(cmd, env=launch_env(), timeout=timeout)
     except subprocess.TimeoutExpired as exc:
         raise SystemExit("benchmark phase %r timed out after %ss: %s"
                          % (worker, timeout, " ".join(cmd))) from exc

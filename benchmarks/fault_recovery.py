@@ -22,7 +22,6 @@ phase runs in the first 3 repeats only), final accuracy vs the fault-free run.
 import json
 import os
 import re
-import subprocess
 import sys
 import time
 
@@ -106,7 +105,7 @@ def _run(phase, quick):
     program = [sys.executable, "-m", "matex", os.path.abspath(__file__), "--worker", phase]
     cmd = launcher.mpiexec_command(NRANKS, program + (["--quick"] if quick else []),
                                    mpi_args=mpi_args)
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=1800)
+    proc = launcher.run_captured(cmd, env=env, timeout=1800)
     lines = [line[len(_common.RESULT_MARK):] for line in proc.stdout.splitlines()
              if line.startswith(_common.RESULT_MARK)]
     if proc.returncode != 0 or len(lines) != 1:

@@ -1,7 +1,6 @@
 """Run pytest suites under a real mpiexec and check every rank's report."""
 
 import os
-import signal
 import subprocess
 import sys
 import xml.etree.ElementTree as ET
@@ -17,16 +16,11 @@ def run_mpi(nranks, program, mpi_args=(), timeout=900, env=None, cwd=ROOT):
     cmd = launch.mpiexec_command(nranks, program, mpi_args=mpi_args)
     full_env = launch.launch_env(env)
     full_env.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
-    proc = subprocess.Popen(cmd, env=full_env, cwd=cwd, stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True, start_new_session=True)
-    try:
-        out, err = proc.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)   # mpiexec and every rank it started
-        out, err = proc.communicate()
+    try:   # a launch that failed transiently to start is retried
+        return launch.run_captured(cmd, env=full_env, timeout=timeout, cwd=cwd)
+    except subprocess.TimeoutExpired as exc:
         raise AssertionError("timed out after %ss: %s\n%s\n%s" % (
-            timeout, " ".join(cmd), out[-3000:], err[-5000:]))
-    return subprocess.CompletedProcess(cmd, proc.returncode, out, err)
+            timeout, " ".join(cmd), (exc.stdout or "")[-3000:], (exc.stderr or "")[-5000:]))
 
 
 def run_suite(nranks, files, report_dir, mpi_args=(), timeout=1200, env=None):

@@ -213,8 +213,7 @@ def test_kill_under_ft_dumps_survivors_and_names_the_dead_rank(tmp_path):
     mpi_args = ["-x", "MATEX_INJECT_FAULT", "-x", "MATEX_FLIGHT_DIR"] + launch.ft_mpi_args()
     cmd = launch.mpiexec_command(3, [sys.executable, "-m", "matex", FT_SCRIPT,
                                      str(tmp_path / "r"), "300", "32", "1"], mpi_args=mpi_args)
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300,
-                          cwd=tmp_path)
+    proc = launch.run_captured(cmd, env=env, timeout=300, cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr[-4000:]
     dumps = flight.load(tmp_path / "flight")
     assert [d["world_rank"] for d in dumps] == [0, 1], proc.stderr[-3000:]

@@ -372,3 +372,46 @@ def test_launched_identity_is_mpis_once_mpi_runs():
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert [json.loads(line)[:2] for line in proc.stdout.splitlines()] == [[5, 9], [0, 1]]
+
+
+FLAKY_MPIEXEC = textwrap.dedent("""\
+    #!{python}
+    # The real mpiexec, except that the first {fails} launches fail as PMIx's listener
+    # thread once did in CI: before any rank started.
+    import os, sys
+    real, count = {real!r}, {count!r}
+    if sys.argv[1:2] != ["--version"]:
+        done = len(open(count).read()) if os.path.exists(count) else 0
+        open(count, "a").write("x")
+        if done < {fails}:
+            sys.stderr.write("The PMIx server's listener thread failed to start. We cannot\\n"
+                             "continue.\\n")
+            sys.exit(213)
+    os.execv(real, [real] + sys.argv[1:])
+""")
+
+
+@pytest.mark.parametrize("ft", [False, True], ids=["plain", "ft"])
+@pytest.mark.parametrize("fails", [1, 3])
+def test_matexrun_retries_a_launch_that_failed_to_start(tmp_path, ft, fails):
+    """A transient launcher failure before any rank started is retried (twice at most);
+    the job's own failures never are (test_exit_code_of_every_rank...)."""
+    from matex import launcher as launch
+
+    fake = tmp_path / "mpiexec"
+    fake.write_text(FLAKY_MPIEXEC.format(python=sys.executable, real=launch.find_mpiexec(),
+                                         count=str(tmp_path / "count"), fails=fails))
+    fake.chmod(0o755)
+    matexrun = os.path.join(os.path.dirname(sys.executable), "matexrun")
+    proc = subprocess.run([matexrun] + (["--ft"] if ft else []) + ["-n", "2", _script(tmp_path),
+                                                                  "0"],
+                          capture_output=True, text=True, timeout=180,
+                          env=dict(os.environ, MATEX_MPIEXEC=str(fake)))
+    retries = [line for line in proc.stderr.splitlines() if "retrying" in line]
+    assert [line.rsplit("(", 1)[1] for line in retries] == ["1 of 2)", "2 of 2)"][:fails]
+    assert proc.stderr.count("listener thread failed to start") == min(fails, 3)
+    if fails == 1:
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        assert [line.split()[1] for line in proc.stdout.splitlines()] == ["0"]
+    else:   # three launches failed: given up, mpiexec's own status
+        assert proc.returncode == 213 and proc.stdout == ""

@@ -2,11 +2,11 @@
 
 * ``cli``: arguments and ``main``, the launch plan;
 * ``mpiexec``: which mpiexec, its MPI flavour, its command line and
-  environment, ULFM's flags;
+  environment, ULFM's flags, transient start-up failures;
 * ``hosts``: ``-H`` host lists, hostfiles, Slurm allocations, their mpiexec
   arguments;
 * ``supervise``: the job under ``--ft`` (ranks' failure reports in a status
-  directory) and ``--restart``.
+  directory) and ``--restart``; launches that failed to start retried.
 """
 
 from matex.launcher.cli import main
@@ -15,9 +15,10 @@ from matex.launcher.hosts import (FORWARDED_PREFIXES, HostError, SlurmAllocation
                                   format_hostfile, forwarded_env, parse_hosts, read_hostfile,
                                   slurm_allocation, total_slots)
 from matex.launcher.mpiexec import (DEFAULT_HEARTBEAT, find_mpiexec, ft_mpi_args, launch_env,
-                                    mpi_flavor, mpiexec_command)
+                                    mpi_flavor, mpiexec_command, startup_failed)
 from matex.launcher.supervise import (STATUS_DIR_VAR, failed_ranks, report_failure,
-                                      run_fault_tolerant, run_with_restarts, status_directory)
+                                      run_captured, run_fault_tolerant, run_with_restarts,
+                                      status_directory)
 
 __all__ = [
     "DEFAULT_HEARTBEAT",
@@ -40,9 +41,11 @@ __all__ = [
     "parse_hosts",
     "read_hostfile",
     "report_failure",
+    "run_captured",
     "run_fault_tolerant",
     "run_with_restarts",
     "slurm_allocation",
+    "startup_failed",
     "status_directory",
     "total_slots",
 ]

@@ -20,6 +20,22 @@ from matex import _config
 
 DEFAULT_HEARTBEAT = 0.5
 
+# Messages with which Open MPI's launcher fails before any rank started, for
+# reasons that are gone on the next try (seen: PMIx's listener thread failing
+# to start, once in a few hundred launches in CI, never reproduced in 1,800
+# back-to-back launches here). A launch ending with one of these is retried
+# (``STARTUP_RETRIES``); any other failure is the job's own.
+TRANSIENT_STARTUP_FAILURES = (
+    "The PMIx server's listener thread failed to start",
+    "ptl_tool: problems getting address for index",
+)
+STARTUP_RETRIES = 2
+
+
+def startup_failed(returncode: int, stderr: str) -> bool:
+    """Whether an mpiexec that exited ``returncode`` failed transiently before starting ranks."""
+    return returncode != 0 and any(m in stderr for m in TRANSIENT_STARTUP_FAILURES)
+
 
 def _mpi_prefix():
     """Installation prefix of the MPI library mpi4py links to, or None."""

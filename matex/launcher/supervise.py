@@ -20,10 +20,12 @@ import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from collections.abc import Iterator, Mapping, Sequence
 
 from matex._config import STATUS_DIR_VAR
+from matex.launcher.mpiexec import STARTUP_RETRIES, startup_failed
 from matex._status import (failed_ranks, read_status,  # noqa: F401 - re-exported
                            report_failure)
 
@@ -101,6 +103,93 @@ def _end_excluded_ranks(status, directory):
     return ended
 
 
+class _Mpiexec:
+    """An mpiexec whose stderr passes through to ours as it comes, its tail kept.
+
+    The tail tells a transient start-up failure (``startup_failed``) from the
+    job's own; nothing else reads what the ranks print.
+    """
+
+    TAIL = 1 << 16
+
+    def __init__(self, cmd: Sequence[str], env: Mapping[str, str]):
+        self.proc = subprocess.Popen(list(cmd), env=dict(env), stderr=subprocess.PIPE)
+        self._tail = bytearray()
+        self._pump = threading.Thread(target=self._copy, name="matexrun-stderr", daemon=True)
+        self._pump.start()
+
+    def _copy(self):
+        fd = self.proc.stderr.fileno()
+        while True:
+            chunk = os.read(fd, 1 << 16)
+            if not chunk:
+                return
+            try:
+                os.write(2, chunk)
+            except OSError:
+                pass   # our stderr is gone; keep draining so mpiexec never blocks
+            self._tail += chunk
+            del self._tail[:-self.TAIL]
+
+    def wait(self) -> int:
+        self.proc.wait()
+        self._pump.join()
+        self.proc.stderr.close()
+        return self.proc.returncode
+
+    def failed_to_start(self) -> bool:
+        return startup_failed(self.proc.returncode, self._tail.decode("utf-8", "replace"))
+
+
+def _note_retry(attempt):
+    print("matexrun: mpiexec failed to start the job (a transient launcher failure, above); "
+          "retrying (%d of %d)" % (attempt, STARTUP_RETRIES), file=sys.stderr, flush=True)
+
+
+def _call(cmd: Sequence[str], env: Mapping[str, str]) -> int:
+    """Run ``cmd`` (an mpiexec) to the end; retried when it failed transiently to start."""
+    for attempt in range(STARTUP_RETRIES + 1):
+        job = _Mpiexec(cmd, env)
+        try:
+            code = job.wait()
+        except BaseException:
+            job.proc.kill()
+            job.wait()
+            raise
+        if not job.failed_to_start() or attempt == STARTUP_RETRIES:
+            return code
+        _note_retry(attempt + 1)
+    return code
+
+
+def run_captured(cmd: Sequence[str], env: Mapping[str, str] | None = None,
+                 timeout: float | None = None,
+                 cwd: str | os.PathLike | None = None) -> subprocess.CompletedProcess:
+    """Run ``cmd`` (an mpiexec) with its output captured; retried when it failed to start.
+
+    For drivers and tests that read a job's output. On timeout, mpiexec and
+    every rank it started are killed, and ``subprocess.TimeoutExpired`` carries
+    what they printed.
+    """
+    for attempt in range(STARTUP_RETRIES + 1):
+        proc = subprocess.Popen(list(cmd), env=None if env is None else dict(env), cwd=cwd,
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                                start_new_session=True)
+        try:
+            out, err = proc.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)   # mpiexec and every rank it started
+            out, err = proc.communicate()
+            raise subprocess.TimeoutExpired(list(cmd), timeout, out, err) from None
+        except BaseException:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.communicate()
+            raise
+        if not startup_failed(proc.returncode, err) or attempt == STARTUP_RETRIES:
+            break
+    return subprocess.CompletedProcess(list(cmd), proc.returncode, out, err)
+
+
 def run_fault_tolerant(cmd: Sequence[str], env: Mapping[str, str], nranks: int,
                        status_parent: str | None = None) -> int:
     """Run ``cmd`` (an mpiexec under ULFM) on ``nranks`` ranks; the job's exit status.
@@ -110,9 +199,23 @@ def run_fault_tolerant(cmd: Sequence[str], env: Mapping[str, str], nranks: int,
     ``status_parent`` must be a directory they share). The exit status follows
     ``job_exit_status``. Once every rank has finished, failed or been excluded
     by a survivor, excluded ranks still running are ended (see ``END_GRACE_S``).
+    A launch that failed transiently before any rank started is retried.
     """
+    for attempt in range(STARTUP_RETRIES + 1):
+        code, line, retry = _run_fault_tolerant_once(cmd, env, nranks, status_parent)
+        if not retry or attempt == STARTUP_RETRIES:
+            break
+        _note_retry(attempt + 1)
+    if line:
+        print(line, file=sys.stderr, flush=True)
+    return code
+
+
+def _run_fault_tolerant_once(cmd, env, nranks, status_parent):
+    """One launch under ``--ft``: (exit status, its line, whether it failed to start)."""
     with status_directory(status_parent) as directory:
-        proc = subprocess.Popen(list(cmd), env={**env, STATUS_DIR_VAR: directory})
+        job = _Mpiexec(cmd, {**env, STATUS_DIR_VAR: directory})
+        proc = job.proc
         settled, terminated = None, False
         try:
             while proc.poll() is None:
@@ -137,18 +240,18 @@ def run_fault_tolerant(cmd: Sequence[str], env: Mapping[str, str], nranks: int,
                         terminated, settled = True, time.monotonic() - END_GRACE_S + 10
         except BaseException:
             proc.kill()
-            proc.wait()
+            job.wait()
             raise
-        code, line = job_exit_status(read_status(directory), nranks, proc.returncode)
-    if line:
-        print(line, file=sys.stderr, flush=True)
-    return code
+        job.wait()
+        status = read_status(directory)
+        code, line = job_exit_status(status, nranks, proc.returncode)
+        return code, line, job.failed_to_start() and not status.started
 
 
 def run_with_restarts(cmd: Sequence[str], nranks: int, env: dict[str, str],
                       restarts: int) -> int:
     """Run ``cmd``; after a failure rerun it up to ``restarts`` times, one rank fewer each."""
-    code = subprocess.call(cmd, env=env)
+    code = _call(cmd, env)
     for attempt in range(restarts):
         if code == 0 or nranks == 1:
             break
@@ -160,5 +263,5 @@ def run_with_restarts(cmd: Sequence[str], nranks: int, env: dict[str, str],
               "on %d rank(s) (restart %d of %d)" % (code, env["MATEX_CHECKPOINT_DIR"], nranks,
                                                    attempt + 1, restarts),
               file=sys.stderr, flush=True)
-        code = subprocess.call(cmd, env=env)
+        code = _call(cmd, env)
     return code
