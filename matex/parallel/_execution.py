@@ -10,8 +10,11 @@ schedule's order (``_schedule``), activations forward and gradients back with
 computed on the last stage and shared exactly (``get_metrics_result``).
 """
 
+import weakref
+
 import keras
 import tensorflow as tf
+from mpi4py import MPI
 
 from matex import _collectives, _compat, _fusion, _runtime
 from matex._everywhere import on_every_rank
@@ -41,9 +44,12 @@ class _Layout:
             self.data_rank, self.data_size = grid.data_rank, grid.data_size
             self.tensor_rank, self.tensor_size = grid.tensor_rank, grid.tensor_size
             world = grid.world_comm
-        # MaTEx's own Python-level messages of this pipeline (plans, errors, saving)
+        # MaTEx's own Python-level messages of this pipeline (plans, errors, saving),
+        # freed with the layout (its PipelineModel): a search building one model per
+        # trial must not run out of communicators
         self.control = world.Dup()
         self.world_rank = self.control.Get_rank()
+        weakref.finalize(self, _free, self.control).atexit = False
 
     @property
     def first(self):
@@ -52,6 +58,16 @@ class _Layout:
     @property
     def last(self):
         return self.pipeline_rank == self.pipeline_size - 1
+
+
+def _free(comm):
+    """Free ``comm`` (local in Open MPI and MPICH, so garbage collection may do it)."""
+    if MPI.Is_finalized() or comm == MPI.COMM_NULL:
+        return
+    try:
+        comm.Free()
+    except MPI.Exception:
+        pass   # revoked by a failure: nothing left to release
 
 
 def _agreed(control, function):

@@ -4,6 +4,7 @@ import keras
 import numpy as np
 import pytest
 import tensorflow as tf
+from mpi4py import MPI
 
 import matex
 from matex.parallel._pipeline import PipelineModel
@@ -240,6 +241,7 @@ def test_a_rank_holds_only_its_stage_of_a_built_model():
     del model
     gc.collect()
     assert [r for r in others if r() is not None] == []
+    control = pm._layout.control   # the pipeline's own communicator, freed with it
     held = {layer.name for layer in pm.stage.layers if layer.weights}
     assert held == mine
     for name, weights in expected.items():   # the copies hold the model's weights
@@ -258,3 +260,6 @@ def test_a_rank_holds_only_its_stage_of_a_built_model():
             "Dense", "Dense", "Identity", "Dense", "Dense", "Dense"]
         np.testing.assert_allclose(whole.predict(x, verbose=0), ref.predict(x, verbose=0),
                                    rtol=1e-4, atol=1e-6)
+    del pm, whole, h   # History holds its model
+    gc.collect()
+    assert control == MPI.COMM_NULL   # before, never freed: one per model built
