@@ -13,6 +13,7 @@ import os
 import keras_tuner as kt
 import pytest
 
+from matex._workgroups.service import Server
 from matex.hpo import _service, _tuner
 
 
@@ -175,7 +176,7 @@ class _Answers:
 def _serve(comm, handler, replies):
     import time
 
-    server = _service.Server(comm, handler).start()
+    server = Server(comm, handler, what="the oracle").start()
     deadline = time.time() + 20
     while len(comm.replies) < replies and time.time() < deadline:
         time.sleep(0.01)
@@ -215,3 +216,4 @@ def test_a_request_that_fails_on_the_owner_ends_the_search_for_every_group(handl
                                                                0)], "matex-group-0"))
     assert handler.fatal.startswith("IsADirectoryError: ")
     assert handler("create_trial", ("matex-group-1",))["status"] == "STOPPED"
+

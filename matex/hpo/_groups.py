@@ -1,148 +1,47 @@
-"""The ranks of a search, split into groups that each train one trial at a time.
+"""A search's rank groups, and how a trial ends without leaving a peer in a collective.
 
-World rank ``r`` belongs to group ``r // k``; group rank 0 is the group's leader
-(the only rank of the group that talks to the oracle). Three communicators:
-
-* ``service``: a duplicate of the world taken before the split, for the oracle
-  requests only, so they can never match a data collective;
-* ``group``: the group's communicator, installed as MaTEx's data communicator
-  (``matex.comm()``) while the search runs, so a trial's ``fit`` is
-  data-parallel over its group with rank-0-of-group-only output;
-* the world as it was, put back when the search ends.
-
-While the search runs, every collective of a trial is agreed on first over the
-group's communicator, so that a rank whose trial raised can release the peers
-waiting for it (``finish_trial``, below); after a search that lost ranks
-(ULFM) the next one regroups the survivors (``Groups.refresh``).
+The groups themselves (world rank ``r`` in group ``r // k``, the owner, the
+leaders, the service communicator, regrouping after a shrink) are
+``matex._workgroups.groups.Groups``; a search's ``TrialGroups`` adds what a
+trial needs while the group's communicator is MaTEx's: every collective of a
+trial is agreed on first over the group's communicator, so that a rank whose
+trial raised can release the peers waiting for it (``finish_trial``, below).
 """
 
 from __future__ import annotations
 
+from typing import Any
+
 from matex import _runtime
+from matex._workgroups.groups import Groups, check_group_size
 
 
-def check_ranks_per_trial(k: int, size: int) -> int:
+def check_ranks_per_trial(k: Any, size: int) -> int:
     """``k``, validated against ``size`` ranks (the same error on every rank)."""
-    if isinstance(k, bool) or not isinstance(k, int) or k < 1:
-        raise ValueError("ranks_per_trial must be a whole number >= 1, not %r" % (k,))
-    if size % k:
-        raise ValueError(
-            "matex.hpo: ranks per trial (%d) does not divide the number of ranks (%d); "
-            "choose a divisor of %d (e.g. %s)" % (
-                k, size, size, ", ".join(str(d) for d in range(1, size + 1) if size % d == 0)))
-    return k
+    return check_group_size(k, size, argument="ranks_per_trial",
+                            label="matex.hpo: ranks per trial")
 
 
-class Groups:
-    """This rank's place in a search over ``k`` ranks per trial (collective to build)."""
+class TrialGroups(Groups):
+    """This rank's place in a search over ``k`` ranks per trial (collective to build).
+
+    While the group's communicator is MaTEx's (``enter`` .. ``leave``), every
+    collective of a trial is agreed on first (see ``finish_trial``).
+    """
 
     def __init__(self, k: int, world=None):
-        self.world = world if world is not None else _runtime.comm()
-        self.size = self.world.Get_size()
-        self.k = check_ranks_per_trial(k, self.size)
-        self.world_rank = self.world.Get_rank()
-        self.count = self.size // self.k
-        self.index = self.world_rank // self.k
-        self._members = [list(range(g * self.k, (g + 1) * self.k)) for g in range(self.count)]
-        self.service = self.world.Dup()
-        from mpi4py import MPI
+        world = world if world is not None else _runtime.comm()
+        check_ranks_per_trial(k, world.Get_size())
+        super().__init__(k, world)
 
-        self.service.Set_errhandler(MPI.ERRORS_RETURN)
-        self.owner_rank = 0   # service rank owning the oracle (a survivor after a takeover)
-        self._saved = None
-
-    @property
-    def owner(self) -> bool:
-        """Whether this rank owns the oracle (and is the only writer of the tuner directory)."""
-        return self.service.Get_rank() == self.owner_rank
-
-    def members(self, index: int) -> list:
-        """Service ranks of group ``index``."""
-        return list(self._members[index])
-
-    def refresh(self) -> bool:
-        """Before a search: the groups among the ranks alive now (collective over them).
-
-        After a search that lost ranks (ULFM) the world and the service
-        communicator are the survivors, renumbered: each survivor stays with
-        its group, groups with no rank left are gone, and the groups are
-        numbered again from 0. Returns whether anything changed.
-        """
-        world = _runtime.comm()
-        if world.Get_size() == self.size:
-            return False
-        indices = world.allgather(self.index)   # every survivor's group, by its new rank
-        alive = sorted(set(indices))
-        self._members = [[r for r, i in enumerate(indices) if i == g] for g in alive]
-        self.index = alive.index(self.index)
-        self.count = len(alive)
-        self.size = world.Get_size()
-        self.world_rank = world.Get_rank()
-        self.owner_rank = 0
-        return True
-
-    def enter(self):
-        """Install this rank's group communicator as MaTEx's (collective over the world)."""
-        world = _runtime.comm()
-        self._saved = world.Dup()
-        group = world.Split(self.index, world.Get_rank())
-        # every collective of a trial is agreed on first (see finish_trial below)
+    def _entering(self) -> None:
         _runtime.control_class = checked_class()
         _checking.append(None)
         _runtime.on_core_ready(_force_check)
-        _runtime._set_comm(group)
 
-    def leave(self):
-        """Put the world communicator back (collective over the survivors).
-
-        Under ULFM the world is shrunk first: ranks lost during the search are
-        not part of what comes after (``get_best_models``, more training).
-        """
-        if self._saved is not None:
-            saved, self._saved = self._saved, None
-            _runtime.control_class = None
-            _restore_check()
-            if _runtime.ft_mode() == "ulfm":
-                shrunk = saved.Shrink()
-                saved.Free()
-                saved = shrunk
-            _runtime._set_comm(saved)
-
-    def shrink_service(self):
-        """Under ULFM: the service communicator without the lost ranks (collective).
-
-        The owner is then its rank 0: an owner is always the lowest rank alive
-        when it takes over, and ranks never come back.
-        """
-        if _runtime.ft_mode() != "ulfm":
-            return
-        from mpi4py import MPI
-
-        old, self.service = self.service, self.service.Shrink()
-        self.service.Set_errhandler(MPI.ERRORS_RETURN)
-        old.Free()
-        self.owner_rank = 0
-
-    @staticmethod
-    def resilient(call):
-        """``call()`` over the group; after a rank failure (ULFM) shrink the group and redo it."""
-        from matex import _resilience
-
-        for attempt in range(8):
-            try:
-                return call()
-            except Exception as exc:
-                # the recovery loop's own test: under ULFM an MPI error of another
-                # class while a failure is known is that failure too
-                if not _resilience.is_failure(exc) or _runtime.ft_mode() != "ulfm" \
-                        or attempt == 7:
-                    raise
-                _resilience.recover()
-
-    @staticmethod
-    def leader() -> bool:
-        """Whether this rank leads its group now (group rank 0; changes after a shrink)."""
-        return _runtime.rank() == 0
+    def _leaving(self) -> None:
+        _runtime.control_class = None
+        _restore_check()
 
 
 _checking = []   # while a search runs: the C++ agreement check's setting before it

@@ -1,26 +1,19 @@
-"""The oracle served over MPI: one rank owns it, every other rank asks it.
+"""The oracle's side of a distributed search: the owner's request handler and its files.
 
-The owner (service rank 0) answers requests from a background thread: a
-request is ``(op, args)`` sent with tag ``REQUEST``, the answer ``(ok,
-value)`` comes back with tag ``REPLY``. The owner's own calls go to the same
-handler under the same lock, so its main thread (which trains trials too)
-and the service thread never touch the oracle at once. Trials travel as
-``Trial.get_state()`` dictionaries; files a trial wrote on another rank
-travel with its ``end_trial`` and are written by the owner, atomically.
+One rank owns the oracle and serves it to the group leaders over MPI
+(``matex._workgroups.service``: ``Server``, ``Client``, the takeover); this
+module is what is search-specific about it. ``Handler`` answers the requests
+(``create_trial``, ``end_trial``, ``finish``, ...) with the real oracle behind
+a lock, so the owner's main thread (which trains trials too) and the service
+thread never touch the oracle at once. Trials travel as ``Trial.get_state()``
+dictionaries; files a trial wrote on another rank travel with its
+``end_trial`` and are written by the owner, atomically (``write_atomically``).
 
-The thread polls (``Iprobe`` and a short sleep): a blocking receive from any
-source could not be stopped at the end of the search, and under ULFM a
-failed peer must not end the service (its error is acknowledged and the
-service goes on).
-
-Under ULFM the owner itself may die. A rank whose request to the owner fails
-with a rank-failure error acknowledges the failures it knows of and sends to
-the lowest service rank still alive; that rank, when its own request fails
-the same way, takes over: it reloads the oracle from the tuner directory
-(written atomically after every result), gives the trials still running back
-to their groups, and serves. Requests are safe to resend: a result already
-recorded is ignored. No collective is needed, so ranks busy training are not
-disturbed; the service communicator is shrunk at the end of the search.
+Under ULFM the owner itself may die; the lowest rank alive then takes over
+(``matex.hpo._tuner.Search.take_over``): it reloads the oracle from the tuner
+directory (written atomically after every result), gives the trials still
+running back to their groups, and serves. Requests are safe to resend: a
+result already recorded is ignored.
 """
 
 from __future__ import annotations
@@ -29,11 +22,6 @@ import contextlib
 import logging
 import os
 import threading
-import time
-import traceback
-
-REQUEST, REPLY = 7101, 7102
-POLL_SECONDS = 0.002
 
 log = logging.getLogger("matex.hpo")
 
@@ -291,169 +279,3 @@ def forget_finished_retries(oracle):
 
     queue = _compat.oracle_retry_queue(oracle)
     queue[:] = [t for t in queue if t not in oracle.end_order]
-
-
-class Server:
-    """The owner's thread answering the other ranks over ``comm``."""
-
-    def __init__(self, comm, handler: Handler, on_failure=None):
-        self.comm, self.handler, self.on_failure = comm, handler, on_failure
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._serve, name="matex-oracle", daemon=True)
-        self.failed = set()   # service ranks known dead (ULFM)
-        self.error = None
-
-    def start(self):
-        self._thread.start()
-        return self
-
-    def stop(self):
-        self._stop.set()
-        self._thread.join()
-
-    def _serve(self):
-        """Answer requests until stopped; no error of one request ends the service.
-
-        A request that cannot be read or answered (e.g. a reply that cannot be
-        pickled) gets an error reply; any other error is kept in ``error`` and
-        ends the search with it on every rank (``handler.fatal``), while the
-        thread goes on answering (every group is told STOPPED), so no rank
-        waits for an answer that never comes. Lost peers (ULFM) are acknowledged.
-        """
-        from mpi4py import MPI
-
-        status = MPI.Status()
-        errors_in_a_row = 0
-        while not self._stop.is_set():
-            source = None
-            try:
-                if not self.comm.Iprobe(MPI.ANY_SOURCE, REQUEST, status):
-                    time.sleep(POLL_SECONDS)
-                    continue
-                source = status.Get_source()
-                op, args = self.comm.recv(source=source, tag=REQUEST)
-                try:
-                    reply = (True, self.handler(op, args))
-                except Exception as exc:  # noqa: BLE001 - sent back, raised on the asking rank
-                    reply = (False, "%s: %s\n%s" % (type(exc).__name__, exc,
-                                                     traceback.format_exc()))
-                self._send(reply, source)
-                errors_in_a_row = 0
-            except Exception as exc:  # noqa: BLE001 - never a silent end of the service
-                if self._lost_peer(exc):
-                    continue
-                errors_in_a_row += 1
-                self._failed(exc, source)
-                if errors_in_a_row >= 100:   # the communicator itself is unusable
-                    log.error("matex.hpo: the oracle's service stops after 100 errors in a row")
-                    return
-                time.sleep(POLL_SECONDS)
-
-    def _send(self, reply, dest):
-        """Send ``reply``; one that cannot be pickled becomes an error reply.
-
-        mpi4py pickles before it sends anything, so nothing of it has gone.
-        """
-        from mpi4py import MPI
-
-        try:
-            self.comm.send(reply, dest=dest, tag=REPLY)
-        except MPI.Exception:
-            raise
-        except Exception as exc:  # noqa: BLE001 - the asking rank raises it
-            self.comm.send((False, "the answer cannot be sent: %s: %s" % (type(exc).__name__,
-                                                                         exc)),
-                           dest=dest, tag=REPLY)
-
-    def _lost_peer(self, exc) -> bool:
-        """Under ULFM a lost peer is acknowledged and the service goes on."""
-        from matex import _resilience
-
-        if not _resilience.is_failure(exc):
-            return False
-        self._acknowledge()
-        return True
-
-    def _failed(self, exc, source):
-        """An error of the service itself: kept, and the search ends with it everywhere."""
-        if self.error is None:
-            self.error = exc
-            log.error("matex.hpo: the oracle's service failed: %s: %s\n%s", type(exc).__name__,
-                      exc, traceback.format_exc())
-        if self.handler is not None and getattr(self.handler, "fatal", "") is None:
-            self.handler.fatal = "the oracle's service failed: %s: %s" % (type(exc).__name__, exc)
-        if source is not None:   # the asking rank must not wait for ever
-            try:
-                self.comm.send((False, "the oracle's service failed on this request: %s: %s"
-                                % (type(exc).__name__, exc)), dest=source, tag=REPLY)
-            except Exception:  # noqa: BLE001 - nothing more can be done for it
-                pass
-
-    def _acknowledge(self):
-        """Acknowledge failed peers so receives from any source work again (ULFM)."""
-        self.comm.Ack_failed()
-        self.failed |= set(failed_ranks(self.comm))
-        if self.on_failure is not None:
-            self.on_failure(self.failed)
-
-
-def failed_ranks(comm) -> list:
-    """Ranks of ``comm`` whose failure this rank has acknowledged (ULFM)."""
-    from mpi4py import MPI
-
-    failed, whole = comm.Get_failed(), comm.Get_group()
-    try:
-        return [r for r in MPI.Group.Translate_ranks(failed, list(range(failed.Get_size())), whole)
-                if r != MPI.UNDEFINED]
-    finally:
-        failed.Free()
-        whole.Free()
-
-
-class RemoteError(RuntimeError):
-    """The oracle's owner raised while answering this rank's request."""
-
-
-class Client:
-    """A rank's way to the oracle: local calls on the owner, MPI requests elsewhere.
-
-    ``groups`` holds the service communicator and the owner's rank there;
-    ``take_over(dead)`` makes this rank the owner and returns its ``Handler``.
-    """
-
-    def __init__(self, groups, handler: Handler | None, take_over=None):
-        self.groups, self.handler, self.take_over = groups, handler, take_over
-
-    def __call__(self, op, *args):
-        from mpi4py import MPI
-
-        from matex import _resilience, _runtime
-
-        while self.handler is None:
-            comm, owner = self.groups.service, self.groups.owner_rank
-            try:
-                comm.send((op, args), dest=owner, tag=REQUEST)
-                ok, value = comm.recv(source=owner, tag=REPLY)
-            except MPI.Exception as exc:
-                if not _resilience.is_failure(exc) or _runtime.ft_mode() != "ulfm" \
-                        or self.take_over is None:
-                    raise
-                self._fail_over(owner)
-                continue   # resend: to the next owner, or to this rank's own handler
-            if not ok:
-                raise RemoteError("the oracle's owner (rank %d) failed on %s: %s"
-                                  % (owner, op, value))
-            return value
-        return self.handler(op, args)
-
-    def _fail_over(self, owner):
-        """The owner is lost: the lowest rank alive owns the oracle now (maybe this one)."""
-        comm = self.groups.service
-        comm.Ack_failed()
-        dead = set(failed_ranks(comm)) | {owner}
-        new = min(r for r in range(comm.Get_size()) if r not in dead)
-        log.warning("matex.hpo: the oracle's owner (rank %d) is lost; rank %d takes over "
-                    "from the tuner directory", owner, new)
-        self.groups.owner_rank = new
-        if new == comm.Get_rank():
-            self.handler = self.take_over(dead)

@@ -11,7 +11,7 @@ MaTEx's own) runs distributed when its script runs on several ranks
   ranks when unset: one data-parallel ``fit`` per trial over every rank, as
   without the hook); world rank 0 builds its tuner first (it alone deletes,
   creates and reloads the tuner directory), then the others; the owner serves
-  its oracle from a thread (``_service``) and every rank's ``tuner.oracle``
+  its oracle from a thread (``matex._workgroups.service``) and every rank's ``tuner.oracle``
   becomes a ``GroupOracle``;
 * ``search``: the group's communicator is installed for the search, so each
   trial is a MaTEx data-parallel ``fit`` over its group; at the end every rank
@@ -49,8 +49,9 @@ import time
 
 from matex import _compat, _config, _runtime
 from matex._everywhere import agree_error, on_every_rank, on_root
+from matex._workgroups.service import Client, Server
 from matex.hpo import _service
-from matex.hpo._groups import Groups, finish_trial
+from matex.hpo._groups import TrialGroups, finish_trial
 
 FINGERPRINT = "matex_search.json"
 DRAIN = "matex_drain.json"   # the ranks told that the search is over (for a takeover)
@@ -196,7 +197,7 @@ def _init(original):
         if k is None:
             return original(self, *args, **kwargs)
         bound = bind(original, self, *args, **kwargs)
-        groups = Groups(k)   # the same ValueError on every rank when k does not divide
+        groups = TrialGroups(k)   # the same ValueError on every rank when k does not divide
         search = Search(groups)
         self._matex_search = search
 
@@ -298,7 +299,7 @@ def _get_trial_dir(original):
 class Search:
     """One tuner's distributed search: groups, service, and the oracle every rank sees."""
 
-    def __init__(self, groups: Groups):
+    def __init__(self, groups: TrialGroups):
         self.groups = groups
         self.handler = self.server = None
         self.scratch = None
@@ -312,7 +313,8 @@ class Search:
         if self.groups.owner:
             self._handle()
             self._serve()
-        self.client = _service.Client(self.groups, self.handler, self.take_over)
+        self.client = Client(self.groups, self.handler, self.take_over, what="the oracle",
+                             source="the tuner directory")
         tuner.oracle = GroupOracle(self.local, self.client, self)
 
     def _handle(self):
@@ -326,7 +328,8 @@ class Search:
 
     def _serve(self, failed=()):
         if self.server is None:
-            self.server = _service.Server(self.groups.service, self.handler, self._on_failure)
+            self.server = Server(self.groups.service, self.handler, self._on_failure,
+                                 what="the oracle")
             self.server.failed |= set(failed)
             self.server.start()
 
@@ -365,16 +368,15 @@ class Search:
         self.handler.stopped |= lost
         # in the end-of-search drain: ranks the dead owner let go will not ask again
         self.handler.released |= self.handler.load_drain()
-        self.handler.stopped |= {group_id(g) for g in range(self.groups.count) if set(
-            self.groups.members(g)) <= self.handler.released | set(dead)}
+        self.handler.stopped |= {group_id(g) for g in self.groups.lost(
+            self.handler.released | set(dead))}
         if serve:
             self._serve(dead)
         return self.handler
 
     def _on_failure(self, failed):
         """Owner, ULFM: groups left with no rank give their trial back to the queue."""
-        self.handler.requeue(group_id(g) for g in range(self.groups.count)
-                             if set(self.groups.members(g)) <= failed)
+        self.handler.requeue(group_id(g) for g in self.groups.lost(failed))
 
     def begin(self, tuner):
         space = tuner.oracle.get_space()
@@ -447,8 +449,7 @@ class Search:
         """Ids of the groups with no rank left (of the failed service ranks known here)."""
         if dead is None:
             dead = self.server.failed if self.server is not None else set()
-        return {group_id(g) for g in range(self.groups.count)
-                if set(self.groups.members(g)) <= dead}
+        return {group_id(g) for g in self.groups.lost(dead)}
 
 
 def group_id(index):
@@ -492,7 +493,7 @@ class GroupOracle:
         def ask():
             # a leader lost meanwhile: the new one asks again and gets the same trial back
             state, error = None, None
-            if Groups.leader():
+            if TrialGroups.leader():
                 state, self.__dict__["_next"] = self._next, None
                 if state is None:
                     try:
@@ -505,7 +506,7 @@ class GroupOracle:
                         what="matex.hpo: asking the oracle for a trial")
             return _runtime.control().bcast(state, root=0)
 
-        state = Groups.resilient(ask)
+        state = TrialGroups.resilient(ask)
         trial = _service.trial_from_state(state)
         self.__dict__["_current"] = trial
         self._search.current = trial.trial_id
@@ -532,7 +533,7 @@ class GroupOracle:
             return _runtime.control().allgather(
                 (str(trial.status), trial.message, sorted(released)))
 
-        outcomes = Groups.resilient(outcome)
+        outcomes = TrialGroups.resilient(outcome)
         consequences = {r for _, _, released in outcomes for r in released}
         causes = [r for r in range(len(outcomes)) if r not in consequences] or \
             list(range(len(outcomes)))
@@ -544,7 +545,7 @@ class GroupOracle:
                 worst, self._search.groups.world_rank - _runtime.rank() + worst, message)
         search = self._search
         error = None
-        if Groups.leader():
+        if TrialGroups.leader():
             files = {}
             if search.scratch is not None:
                 directory = os.path.join(search.scratch, "trial_%s" % trial.trial_id)
@@ -560,7 +561,7 @@ class GroupOracle:
             except Exception as exc:  # noqa: BLE001 - raised on every rank of the group
                 error = exc
         # the group goes on to its next trial only if its leader could report this one
-        Groups.resilient(lambda: agree_error(
+        TrialGroups.resilient(lambda: agree_error(
             _runtime.control(), error, error_type=SearchError,
             what="matex.hpo: reporting trial %s" % trial.trial_id))
         if search.scratch is not None:
@@ -571,9 +572,9 @@ class GroupOracle:
     def get_trial(self, trial_id):
         current = self._current
         if self.in_search and current is not None and current.trial_id == trial_id:
-            if not Groups.leader() or not self._pending:
+            if not TrialGroups.leader() or not self._pending:
                 return current
-        if self.finished or (self.in_search and not Groups.leader()):
+        if self.finished or (self.in_search and not TrialGroups.leader()):
             return self._local.get_trial(trial_id)
         return _service.trial_from_state(self._client("get_trial", trial_id))
 

@@ -1,9 +1,9 @@
 """Loss surfaces on a 2-D grid, distributed two ways: points to rank groups, data within a group.
 
-The ranks split into groups of ``ranks_per_point`` (``matex.hpo._groups``:
+The ranks split into groups of ``ranks_per_point`` (``matex._workgroups``:
 rank ``r`` is in group ``r // k``). Grid points are handed out dynamically:
-world rank 0 serves a queue from a background thread (``matex.hpo._service``'s
-server and client), each group's leader asks it for the next point when the
+world rank 0 serves a queue from a background thread (``matex._workgroups``'s
+``Server`` and ``Client``), each group's leader asks it for the next point when the
 previous one is done, sending that point's loss along; the leader passes the
 point to its group, and the group computes the loss data-parallel (each rank
 a contiguous share of the data, one allreduce of (sum, rows) over the group's
@@ -40,6 +40,7 @@ import tensorflow as tf
 
 from matex import _runtime
 from matex._everywhere import on_every_rank
+from matex._workgroups import Client, Groups, Server
 from matex.science import _data, _directions, _objective
 from matex.science._trajectory import load_trajectory
 
@@ -345,10 +346,7 @@ def loss_surface(model, data, directions="random", resolution=(51, 51), span=1.0
     if isinstance(data, (tuple, list)):
         settings["rows"] = int(np.shape(tf.nest.flatten(data[0])[0])[0])
 
-    from matex.hpo._groups import Groups
-    from matex.hpo._service import Client, Server
-
-    # group g holds world ranks g*k .. g*k+k-1 (matex.hpo._groups); bad data fails here, early
+    # group g holds world ranks g*k .. g*k+k-1 (matex._workgroups); bad data fails here, early
     share = _data.Share(data, world.Get_rank() % k, k, batch_size, whole_job=(k == size))
 
     # rank 0 opens (or resumes) the file; any error there (another surface's file, a
