@@ -16,7 +16,9 @@ with a rank-failure error acknowledges the failures it knows of and sends to
 the lowest service rank still alive; that rank, when its own request fails
 the same way, takes over (``Client``'s ``take_over`` builds its handler, e.g.
 from what the old owner wrote to disk). No collective is needed, so ranks busy
-working are not disturbed.
+working are not disturbed. Whether a rank owns the work is an explicit state
+machine (``matex._workgroups.machine.Ownership``: following, then owning after
+a takeover).
 """
 
 from __future__ import annotations
@@ -26,6 +28,8 @@ import threading
 import time
 import traceback
 from typing import Any, Callable, Optional
+
+from matex._workgroups.machine import FOLLOWING, OWNING, Ownership
 
 REQUEST, REPLY = 7101, 7102
 POLL_SECONDS = 0.002
@@ -178,13 +182,14 @@ class Client:
                  what: str = "the work queue", source: str = "what it wrote"):
         self.groups, self.handler, self.take_over = groups, handler, take_over
         self.what, self.source = what, source
+        self.ownership = Ownership(OWNING if handler is not None else FOLLOWING)
 
     def __call__(self, op: str, *args) -> Any:
         from mpi4py import MPI
 
         from matex import _resilience, _runtime
 
-        while self.handler is None:
+        while not self.ownership.owning:
             comm, owner = self.groups.service, self.groups.owner_rank
             try:
                 comm.send((op, args), dest=owner, tag=REQUEST)
@@ -212,3 +217,6 @@ class Client:
         self.groups.owner_rank = new
         if new == comm.Get_rank():
             self.handler = self.take_over(dead)
+            self.ownership.fire("take_over")   # from now on this rank's requests stay here
+        else:
+            self.ownership.fire("owner_lost")

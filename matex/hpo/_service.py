@@ -23,6 +23,8 @@ import logging
 import os
 import threading
 
+from matex._workgroups.machine import LOST, GroupWork
+
 log = logging.getLogger("matex.hpo")
 
 
@@ -99,12 +101,17 @@ def read_tree(directory: str) -> dict:
 
 
 class Handler:
-    """The owner's side: the real oracle behind a lock, one method per request."""
+    """The owner's side: the real oracle behind a lock, one method per request.
+
+    Each group's place in the search is a ``GroupWork`` machine, keyed by its
+    tuner id: waiting (the oracle tracks which trial it runs), finishing (told
+    STOPPED, or done with the search and draining), lost (no rank left).
+    """
 
     def __init__(self, oracle, trial_dir, groups: int):
         self.oracle, self.trial_dir = oracle, trial_dir
         self.lock = threading.RLock()
-        self.stopped = set()          # tuner ids told STOPPED, or done with the search
+        self.work = {}                # tuner id -> GroupWork (a group not seen yet: waiting)
         self.released = set()         # service ranks told that the whole search is over
         self.drain_path = None        # where ``released`` is kept for a takeover (a file)
         self.fatal = None   # the oracle's error that ended the search (raised on every rank)
@@ -146,16 +153,19 @@ class Handler:
             return None
 
     def op_create_trial(self, tuner_id):
+        work = self._work(tuner_id)
         trial = None
-        if self.fatal is None:
+        # a lost group's request was sent by a rank that died since: no trial for it
+        if self.fatal is None and work.state != LOST:
             trial = self._oracle_call("create_trial", tuner_id)
         if trial is None:   # the search ended with an error: every group stops
-            self.stopped.add(tuner_id)
+            if work.state != LOST:
+                work.fire("finish")
             from keras_tuner.src.engine import trial as trial_module
 
             return trial_module.Trial(self.oracle.get_space(), status="STOPPED").get_state()
         if trial.status == "STOPPED":
-            self.stopped.add(tuner_id)
+            work.fire("finish")
         return trial.get_state()
 
     def op_update_trial(self, trial_id, metrics, step):
@@ -224,13 +234,47 @@ class Handler:
         a rank that takes the oracle over in the end-of-search drain knows who
         has left and will not ask again.
         """
-        self.stopped.add(tuner_id)
+        work = self._work(tuner_id)
+        if work.state != LOST:   # (lost: sent by a rank that died since)
+            work.fire("finish")
         everyone = {"matex-group-%d" % g for g in range(self.groups)}
         over = everyone <= self.stopped | set(self.dead_groups())
         if over and rank is not None and rank not in self.released:
             self.released.add(rank)
             self.save_drain()
         return over
+
+    def _work(self, tuner_id) -> GroupWork:
+        work = self.work.get(tuner_id)
+        if work is None:
+            work = self.work[tuner_id] = GroupWork(name=tuner_id)
+        return work
+
+    @property
+    def stopped(self) -> set:
+        """Tuner ids of the groups that take no more trials (finishing or lost)."""
+        return {tuner_id for tuner_id, work in self.work.items() if work.settled}
+
+    def stop_groups(self, tuner_ids) -> None:
+        """These groups are finishing (after a takeover: the dead owner let their ranks go)."""
+        with self.lock:
+            for tuner_id in tuner_ids:
+                self._work(tuner_id).fire("finish")
+
+    def lose_groups(self, tuner_ids) -> None:
+        """These groups have no rank left (ULFM); a group already lost stays so."""
+        with self.lock:
+            for tuner_id in tuner_ids:
+                work = self._work(tuner_id)
+                if work.state != LOST:
+                    work.fire("lose")
+
+    def new_search(self) -> None:
+        """Before a search: every group waiting, no rank released (on disk too)."""
+        with self.lock:
+            self.work = {}
+            self.released = set()
+            self.save_drain()
 
     def save_drain(self):
         if self.drain_path is not None:
@@ -255,7 +299,7 @@ class Handler:
         with self.lock:
             for tuner_id in tuner_ids:
                 trial = self.oracle.ongoing_trials.pop(tuner_id, None)
-                self.stopped.add(tuner_id)
+                self.lose_groups([tuner_id])
                 if trial is not None and trial.trial_id not in self.oracle.end_order:
                     log.warning("matex.hpo: %s lost all its ranks; trial %s goes back to "
                                 "the queue", tuner_id, trial.trial_id)

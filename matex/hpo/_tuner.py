@@ -365,11 +365,11 @@ class Search:
                     self.tuner.project_dir, len(oracle.end_order), len(oracle.ongoing_trials),
                     len(queue))
         self._handle()
-        self.handler.stopped |= lost
+        self.handler.lose_groups(lost)
         # in the end-of-search drain: ranks the dead owner let go will not ask again
         self.handler.released |= self.handler.load_drain()
-        self.handler.stopped |= {group_id(g) for g in self.groups.lost(
-            self.handler.released | set(dead))}
+        self.handler.stop_groups({group_id(g) for g in self.groups.lost(
+            self.handler.released | set(dead))} - lost)
         if serve:
             self._serve(dead)
         return self.handler
@@ -388,9 +388,7 @@ class Search:
             self.handler.groups = self.groups.count   # after a search that lost ranks
         if self.groups.owner:
             self._serve()
-            self.handler.stopped.clear()
-            self.handler.released.clear()
-            self.handler.save_drain()
+            self.handler.new_search()
         self.scratch = None if self.groups.owner else tempfile.mkdtemp(prefix="matex-hpo-")
         self.groups.service.Barrier()
         self.groups.enter()

@@ -3,7 +3,8 @@
 The ranks split into groups of ``ranks_per_point`` (``matex._workgroups``:
 rank ``r`` is in group ``r // k``). Grid points are handed out dynamically:
 world rank 0 serves a queue from a background thread (``matex._workgroups``'s
-``Server`` and ``Client``), each group's leader asks it for the next point when the
+``Server``, ``Client`` and ``WorkQueue``, each group's state a ``GroupWork``
+machine), each group's leader asks it for the next point when the
 previous one is done, sending that point's loss along; the leader passes the
 point to its group, and the group computes the loss data-parallel (each rank
 a contiguous share of the data, one allreduce of (sum, rows) over the group's
@@ -28,11 +29,9 @@ several ranks (its allreduce fails: the run ends with the error) or of rank
 
 from __future__ import annotations
 
-import collections
 import hashlib
 import os
 import sys
-import threading
 import time
 
 import numpy as np
@@ -40,7 +39,7 @@ import tensorflow as tf
 
 from matex import _runtime
 from matex._everywhere import on_every_rank
-from matex._workgroups import Client, Groups, Server
+from matex._workgroups import Client, Groups, Server, WorkQueue
 from matex.science import _data, _directions, _objective
 from matex.science._trajectory import load_trajectory
 
@@ -216,62 +215,33 @@ class _Store:
             self.file = None
 
 
-class _Queue:
-    """The points still to compute, handed out to groups on request (thread-safe)."""
+class _Queue(WorkQueue):
+    """The points still to compute, handed out to groups on request (thread-safe).
+
+    Each loss is written to the store as it arrives (rank 0 is the only writer).
+    """
 
     def __init__(self, store, groups: int, max_points, verbose):
-        self.store, self.groups, self.verbose = store, groups, verbose
-        self.pending = collections.deque(np.flatnonzero(np.isnan(store.values.reshape(-1))))
+        super().__init__(np.flatnonzero(np.isnan(store.values.reshape(-1))).tolist(), groups,
+                         max_points)
+        self.store, self.verbose = store, verbose
         self.total = store.values.size
-        self.budget = len(self.pending) if max_points is None else min(max_points,
-                                                                       len(self.pending))
-        self.handed = self.done = 0
-        self.finished = set()
-        self.assigned = {}   # group -> the point it computes now
-        self.lost = set()    # groups with a failed rank (ULFM)
-        self.error = None
-        self.lock = threading.Lock()
+        self.done = 0
         self.start = self.last_report = time.monotonic()
 
-    def __call__(self, op, args):
-        with self.lock:
-            if op == "fail":
-                group, message = args
-                self.error = self.error or message
-                self.assigned.pop(group, None)
-                self.finished.add(group)
-                return None
-            group, result = args
-            self.assigned.pop(group, None)
-            if result is not None:
-                self.store.put(*result)
-                self.done += 1
-                self._report()
-            if self.error is not None:
-                self.finished.add(group)
-                return ("error", self.error)
-            if not self.pending or self.handed >= self.budget:
-                if self.assigned:
-                    return "wait"   # a point in flight may come back (its rank lost)
-                self.finished.add(group)
-                self._report(final=len(self.finished) == self.groups)
-                return None
-            self.handed += 1
-            self.assigned[group] = int(self.pending.popleft())
-            return self.assigned[group]
+    def record(self, result):
+        self.store.put(*result)
+        self.done += 1
+        self._report()
+
+    def finishing(self, last):
+        self._report(final=last)
 
     def ranks_lost(self, service_ranks, k):
         """Under ULFM: the groups of failed ranks are done; their points go back in the queue."""
-        with self.lock:
-            for group in {r // k for r in service_ranks} - self.lost:
-                self.lost.add(group)
-                self.finished.add(group)
-                point = self.assigned.pop(group, None)
-                if point is not None:
-                    self.pending.appendleft(point)
-                    self.handed -= 1
-                print("matex.science: rank group %d lost; its point goes to another group"
-                      % group, file=sys.stdout, flush=True)
+        for group in self.lose({r // k for r in service_ranks}):
+            print("matex.science: rank group %d lost; its point goes to another group"
+                  % group, file=sys.stdout, flush=True)
 
     def _report(self, final=False):
         now = time.monotonic()
@@ -394,7 +364,7 @@ def loss_surface(model, data, directions="random", resolution=(51, 51), span=1.0
                 raise
             result = (int(task), loss)
         if queue is not None:
-            while len(queue.finished) < groups.count:
+            while queue.settled() < groups.count:
                 time.sleep(0.002)
             store.close()   # before any rank can read the file
         if _runtime.ft_mode() == "ulfm":
@@ -408,11 +378,9 @@ def loss_surface(model, data, directions="random", resolution=(51, 51), span=1.0
         if queue is not None:
             # rank 0 serves the queue: tell every other group before its server goes, or
             # their leaders would wait for a next point forever
-            with queue.lock:
-                queue.error = queue.error or "rank 0 failed: %s: %s" % (type(exc).__name__, exc)
-                queue.finished.add(groups.index)
+            queue.stop(groups.index, "rank 0 failed: %s: %s" % (type(exc).__name__, exc))
             deadline = time.monotonic() + 300
-            while len(queue.finished) < groups.count and time.monotonic() < deadline:
+            while queue.settled() < groups.count and time.monotonic() < deadline:
                 time.sleep(0.01)
         raise
     finally:
