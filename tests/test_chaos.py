@@ -5,21 +5,43 @@
 drawn uniformly over the workload's run (from the moment all four ranks exist
 to the end of a fault-free run of the same workload, timed in this session),
 so kills fall in start-up, fit's set-up, the first step's trace, training,
-validation and evaluate alike. Every run must end as promised: exit 0, every
-rank that was not killed finishes, replica digests equal, and every sample
-trained exactly once per epoch (counted inside the model, rolled back with it).
+validation and evaluate alike. Every run must end as promised; for the
+training workloads: exit 0, every rank that was not killed finishes, replica
+digests equal, and every sample trained exactly once per epoch (counted inside
+the model, rolled back with it).
 
 Workloads: ``fit`` (fit with validation, then evaluate: tests/scripts/ft_fit.py),
 ``loop`` (a custom loop under ``run_resilient``: ft_custom_loop.py),
-``localsgd`` (LocalSGD in fit: ft_localsgd.py).
+``localsgd`` (LocalSGD in fit: ft_localsgd.py), and, each checked against what
+MaTEx promises for it (one check function per workload):
+
+* ``predict`` (tests/scripts/chaos_predict.py): ``evaluate`` then ``predict``,
+  three rounds over 4,096 rows, with integer weights and inputs, so every number
+  is exact whatever the division of rows: every survivor's predictions equal
+  the fault-free run's row for row (each row once, in order), its ``mae`` and
+  ``mse`` equal them exactly, its loss to 1e-6 (Keras's loss is a mean of
+  per-batch means, which rounds with the batches' cut), its weights' digest too;
+* ``search`` (chaos_search.py): ``matex.hpo.minimize``, 8 trials of a Branin
+  function that waits 0.3 s and sums over its group of 2 ranks: exit 0, the
+  survivors finish and agree on the best point and value, and the tuner
+  directory holds each of the 8 trials exactly once (the oracle's end order),
+  all completed (a trial whose group lost a rank runs again, it is not failed),
+  each with Branin's exact value, the best the least of them;
+* ``pipeline`` (chaos_pipeline.py): a 4-stage ``PipelineModel``'s ``fit`` and
+  ``predict``. A pipeline does not recover: every survivor either ends with
+  ``matex.errors.RankFailure`` naming exactly the killed ranks, or (the kill
+  came after its run was done) holds the complete result, equal to the
+  fault-free run's; nothing hangs. ``mpiexec``'s exit status is not checked
+  (under ULFM it is 0 whatever the ranks did).
 
 Switches: ``MATEX_CHAOS_RUNS`` (default 2, as ``make test`` runs it; a campaign
-sets 100), ``MATEX_CHAOS_WORKLOADS`` (comma-separated, default all three, taken
-in turn), ``MATEX_CHAOS_SEED`` (the plan of workloads, victims and moments;
-default 1, so ``make test`` draws the same plan every time, while the moments
-still fall on whatever the run is doing then; ``random`` draws one, printed
-so a failing run can be replayed). The campaign's survival rate is in the
-README.
+sets 100), ``MATEX_CHAOS_WORKLOADS`` (comma-separated, default all, taken
+in turn in the order above: fit, loop, localsgd, predict, search, pipeline;
+``make test``'s 2 runs are fit and loop), ``MATEX_CHAOS_SEED`` (the plan of
+workloads, victims and moments; default 1, so ``make test`` draws the same
+plan every time, while the moments still fall on whatever the run is doing
+then; ``random`` draws one, printed so a failing run can be replayed). The
+campaign's survival rate is in the README.
 """
 
 import glob
@@ -40,30 +62,149 @@ from matex import launcher as launch
 TIER = "chaos"
 NRANKS = 4
 SCRIPTS = mpitools.ROOT / "tests" / "scripts"
-# name: (script and arguments after OUT, samples, epochs, optimizer steps at the end)
-WORKLOADS = {
-    "fit": (["ft_fit.py", "{out}", "300", "32", "3", "validate"], 300, 3, 30),
-    "loop": (["ft_custom_loop.py", "{out}", "300", "32", "3"], 300, 3, 30),
-    "localsgd": (["ft_localsgd.py", "{out}", "localsgd"], 300, 2, 20),
-}
 RUNS = int(os.environ.get("MATEX_CHAOS_RUNS", "2"))
-CHOSEN = [w.strip() for w in os.environ.get("MATEX_CHAOS_WORKLOADS",
-                                            ",".join(WORKLOADS)).split(",") if w.strip()]
 _SEED = os.environ.get("MATEX_CHAOS_SEED", "1")   # make test: a fixed plan; "random": drawn
 SEED = random.SystemRandom().randrange(1 << 30) if _SEED == "random" else int(_SEED)
 TIMEOUT = 400
-_durations = {}   # workload -> seconds of a fault-free run, from all ranks up to the end
+_free_runs = {}   # workload -> (seconds of a fault-free run from all ranks up to the end, results)
+
+
+def _survivors(results, victims, context):
+    others = [r for r in range(NRANKS) if r not in victims]
+    assert set(others) <= set(results), ("a rank that was not killed did not finish",
+                                         sorted(results), context)
+    return others
+
+
+def _sizes(results, others, context):
+    sizes = {r["size"] for r in results.values()}
+    assert len(sizes) == 1 and len(others) <= sizes.pop() <= NRANKS, (sizes, context)
+
+
+def _check_training(samples, epochs, iterations):
+    """fit / loop / localsgd: exit 0, survivors finish, equal digests, each sample once an epoch."""
+    def check(proc, results, victims, killed, free, context):
+        assert proc.returncode == 0, context
+        others = _survivors(results, victims, context)
+        assert len({r["digest"] for r in results.values()}) == 1, ("replicas differ", context)
+        _sizes(results, others, context)
+        for rank, r in results.items():
+            assert r["iterations"] == iterations, (rank, r["iterations"], context)
+            assert r["seen"] == [float(epochs)] * samples, (
+                "rank %d: a sample was lost or trained twice" % rank, context)
+    return check
+
+
+def _check_predict(rows, rounds):
+    """Every survivor's evaluate and predict equal the fault-free run's (exact numbers)."""
+    def check(proc, results, victims, killed, free, context):
+        assert proc.returncode == 0, context
+        others = _survivors(results, victims, context)
+        assert len({r["digest"] for r in results.values()}) == 1, ("replicas differ", context)
+        _sizes(results, others, context)
+        reference = (free or results)[0]["rounds"]
+        assert len(reference) == rounds
+        for got in reference:   # the fault-free run itself: every row once, in order
+            assert [row[0] for row in got["predict"]] == [float(i) for i in range(rows)], context
+        for rank, r in results.items():
+            assert len(r["rounds"]) == rounds, (rank, context)
+            for i, (got, want) in enumerate(zip(r["rounds"], reference)):
+                assert got["predict"] == want["predict"], (
+                    "rank %d round %d: predict differs from the fault-free run's" % (rank, i),
+                    [row[0] for row in got["predict"]][:20], context)
+                g, w = got["evaluate"], want["evaluate"]
+                assert (g["mae"], g["mse"]) == (w["mae"], w["mse"]), (rank, i, g, w, context)
+                assert abs(g["loss"] - w["loss"]) <= 1e-6 * abs(w["loss"]), (rank, i, g, w,
+                                                                              context)
+    return check
+
+
+def _branin(x1, x2):
+    import math
+
+    a, b, c = 1.0, 5.1 / (4 * math.pi ** 2), 5 / math.pi
+    return (a * (x2 - b * x1 ** 2 + c * x1 - 6) ** 2 + 10 * (1 - 1 / (8 * math.pi))
+            * math.cos(x1) + 10)
+
+
+def _check_search(trials):
+    """Survivors finish and agree; each trial recorded exactly once, completed, exact value."""
+    def check(proc, results, victims, killed, free, context):
+        assert proc.returncode == 0, context
+        others = _survivors(results, victims, context)
+        _sizes(results, others, context)
+        answers = {json.dumps([r["best"], r["value"]], sort_keys=True) for r in results.values()}
+        assert len(answers) == 1, ("the survivors disagree on the best trial", answers, context)
+        directory = os.path.join(proc.matex_out + ".search", "minimize")
+        state = json.load(open(os.path.join(directory, "oracle.json")))
+        ids = [str(i) for i in range(trials)]
+        assert sorted(state["end_order"], key=int) == ids, (state["end_order"], context)
+        assert state["ongoing_trials"] == {} and state["retry_queue"] == [], (state, context)
+        scores = {}
+        for i in ids:
+            t = json.load(open(os.path.join(directory, "trial_%s" % i, "trial.json")))
+            hp = t["hyperparameters"]["values"]
+            assert t["status"] == "COMPLETED", (i, t["status"], t["message"], context)
+            assert t["score"] == _branin(hp["x1"], hp["x2"]), (i, t["score"], hp, context)
+            scores[i] = (t["score"], hp)
+        best = min(scores.values(), key=lambda s: s[0])
+        r = next(iter(results.values()))
+        assert (r["value"], r["best"]) == best, (r["value"], r["best"], best, context)
+    return check
+
+
+def _lost_named(message):
+    import re
+
+    match = re.search(r"rank\(s\) ([0-9, ]+) of this", message)
+    return sorted(int(v) for v in match.group(1).split(",")) if match else None
+
+
+def _check_pipeline(epochs, rows):
+    """Each survivor: RankFailure naming exactly the killed ranks, or the complete result."""
+    def check(proc, results, victims, killed, free, context):
+        others = _survivors(results, victims, context)
+        reference = (free or results)[0]
+        for rank, r in results.items():
+            if r["outcome"] == "RankFailure":
+                if rank not in others:
+                    continue   # a victim that saw the other victim's loss before its own
+                assert _lost_named(r["message"]) == sorted(killed), (
+                    "rank %d names the wrong ranks" % rank, killed, r["message"], context)
+                continue
+            assert r["outcome"] == "finished", (rank, r, context)
+            assert r["size"] == NRANKS and len(r["loss"]) == epochs, (rank, r, context)
+            assert len(r["predict"]) == rows, (rank, len(r["predict"]), context)
+            assert r["loss"] == reference["loss"], (rank, r["loss"], reference["loss"], context)
+            assert r["predict"] == reference["predict"], ("rank %d: predict differs" % rank,
+                                                          context)
+    return check
+
+
+# name: (script and arguments after OUT, the check of a run's end)
+WORKLOADS = {
+    "fit": (["ft_fit.py", "{out}", "300", "32", "3", "validate"], _check_training(300, 3, 30)),
+    "loop": (["ft_custom_loop.py", "{out}", "300", "32", "3"], _check_training(300, 3, 30)),
+    "localsgd": (["ft_localsgd.py", "{out}", "localsgd"], _check_training(300, 2, 20)),
+    "predict": (["chaos_predict.py", "{out}", "4096", "3"], _check_predict(4096, 3)),
+    "search": (["chaos_search.py", "{out}", "8", "2"], _check_search(8)),
+    "pipeline": (["chaos_pipeline.py", "{out}", "3"], _check_pipeline(3, 256)),
+}
+CHOSEN = [w.strip() for w in os.environ.get("MATEX_CHAOS_WORKLOADS",
+                                            ",".join(WORKLOADS)).split(",") if w.strip()]
 
 
 def _launch(workload, out):
-    args, _, _, _ = WORKLOADS[workload]
+    args, _ = WORKLOADS[workload]
     program = [sys.executable, "-m", "matex", str(SCRIPTS / args[0])] + [
         a.format(out=out) for a in args[1:]]
     env = launch.launch_env()
     env["TF_CPP_MIN_LOG_LEVEL"] = "2"
     cmd = launch.mpiexec_command(NRANKS, program, mpi_args=launch.ft_mpi_args())
-    return subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                             text=True, start_new_session=True)
+    proc.matex_out = out
+    return proc
 
 
 def _ranks(proc, script):
@@ -108,9 +249,10 @@ def _results(out):
     return {int(p.rsplit(".", 1)[1]): json.load(open(p)) for p in glob.glob(out + ".[0-9]*")}
 
 
-def _fault_free_seconds(workload, tmp_path_factory):
-    """How long a fault-free run of ``workload`` takes once its ranks exist (cached)."""
-    if workload not in _durations:
+def _fault_free(workload, tmp_path_factory):
+    """(seconds, results) of a fault-free run of ``workload``: how long it takes once its
+    ranks exist, and every rank's results, checked by the workload's own check (cached)."""
+    if workload not in _free_runs:
         out = str(tmp_path_factory.mktemp("chaos-free-" + workload) / "r")
         proc = _launch(workload, out)
         deadline = time.time() + TIMEOUT
@@ -118,10 +260,14 @@ def _fault_free_seconds(workload, tmp_path_factory):
         ranks = _wait_for_ranks(proc, script, deadline)
         started = time.time()
         stdout, err = _finish(proc, deadline)
+        seconds = time.time() - started
         assert proc.returncode == 0 and len(ranks) == NRANKS, err[-4000:]
-        assert sorted(_results(out)) == list(range(NRANKS)), err[-4000:]
-        _durations[workload] = time.time() - started
-    return _durations[workload]
+        results = _results(out)
+        assert sorted(results) == list(range(NRANKS)), err[-4000:]
+        WORKLOADS[workload][1](proc, results, [], [], None,
+                               "the fault-free run of %s\n%s" % (workload, err[-4000:]))
+        _free_runs[workload] = (seconds, results)
+    return _free_runs[workload]
 
 
 def _runs():
@@ -143,9 +289,8 @@ def test_random_kill(tmp_path, tmp_path_factory, run, workload, victims, moment)
     if workload not in WORKLOADS:
         raise AssertionError("unknown workload %r (MATEX_CHAOS_WORKLOADS): %s"
                              % (workload, ", ".join(WORKLOADS)))
-    duration = _fault_free_seconds(workload, tmp_path_factory)
-    _, samples, epochs, iterations = WORKLOADS[workload]
-    script = WORKLOADS[workload][0][0]
+    duration, free = _fault_free(workload, tmp_path_factory)
+    script, check = WORKLOADS[workload][0][0], WORKLOADS[workload][1]
     out = str(tmp_path / "r")
     proc = _launch(workload, out)
     deadline = time.time() + TIMEOUT
@@ -165,15 +310,30 @@ def test_random_kill(tmp_path, tmp_path_factory, run, workload, victims, moment)
     stdout, err = _finish(proc, deadline)
     context = "MATEX_CHAOS_SEED=%d run %d (%s, kill %s at %.1f of %.1f s)\n%s" % (
         SEED, run, workload, victims, moment * duration, duration, err[-6000:])
-    assert proc.returncode == 0, context
+    try:
+        check(proc, _results(out), victims, killed, free, context)
+    except AssertionError:
+        print("chaos: the failed run's stderr (tail):\n" + err[-12000:])   # pytest cuts context
+        raise
+
+
+@pytest.mark.xfail(strict=True, reason=(
+    "MaTEx bug found by the chaos tier's pipeline workload: PipelineModel's set-up "
+    "collectives (construction's world.Dup in _Layout, fit's _agreed batch check, "
+    "_sync_replicas, the shuffling seed's bcast) run outside _refusing_recovery, so a "
+    "stage lost there ends every survivor with a raw mpi4py MPI_ERR_PROC_FAILED "
+    "traceback instead of RankFailure naming it"))
+@pytest.mark.parametrize("where", ["construct", "fit"])
+def test_a_stage_lost_before_training_ends_the_pipeline_naming_it(tmp_path, where):
+    """Rank 1 of a 2-stage pipeline SIGKILLs itself just before ``PipelineModel(...)``
+    (random kills land there whenever rank 1 is still starting while rank 0 already
+    builds the pipeline) or just before ``pm.fit``: rank 0 must end with ``RankFailure``
+    naming rank 1 (the promise of README's pipeline section), not a raw MPI error."""
+    out = str(tmp_path / "r")
+    proc = mpitools.run_mpi(2, [sys.executable, "-m", "matex",
+                                str(SCRIPTS / "chaos_pipeline.py"), out, "2", "1:" + where],
+                            mpi_args=launch.ft_mpi_args(), timeout=300)
     results = _results(out)
-    others = [r for r in range(NRANKS) if r not in victims]
-    assert set(others) <= set(results), ("a rank that was not killed did not finish",
-                                         sorted(results), context)
-    assert len({r["digest"] for r in results.values()}) == 1, ("replicas differ", context)
-    sizes = {r["size"] for r in results.values()}
-    assert len(sizes) == 1 and len(others) <= sizes.pop() <= NRANKS, (sizes, context)
-    for rank, r in results.items():
-        assert r["iterations"] == iterations, (rank, r["iterations"], context)
-        assert r["seen"] == [float(epochs)] * samples, (
-            "rank %d: a sample was lost or trained twice" % rank, context)
+    assert sorted(results) == [0], (sorted(results), proc.stderr[-3000:])
+    assert results[0]["outcome"] == "RankFailure", results[0]
+    assert _lost_named(results[0]["message"]) == [1], results[0]["message"]
