@@ -7,12 +7,16 @@ size. Records the search in OUT.search (the tuner directory) and writes OUT.<wor
 (JSON: the best hyperparameters and value this rank got, and every call it made) on
 every rank that finishes.
 
-Usage: chaos_search.py OUT TRIALS RANKS_PER_TRIAL
+Usage: chaos_search.py OUT TRIALS RANKS_PER_TRIAL [RANK]
+
+RANK (a deterministic kill, for a regression test): that world rank SIGKILLs itself
+just before ``minimize``.
 """
 
 import json
 import math
 import os
+import signal
 import sys
 import time
 
@@ -37,6 +41,9 @@ def fn(hp, comm):
     return value
 
 
+rank = int(os.environ.get("OMPI_COMM_WORLD_RANK", "0"))
+if len(sys.argv) > 4 and int(sys.argv[4]) == rank:
+    os.kill(os.getpid(), signal.SIGKILL)
 space = kt.HyperParameters()
 space.Float("x1", -5.0, 10.0)
 space.Float("x2", 0.0, 15.0)
@@ -45,6 +52,5 @@ best, value = hpo.minimize(fn, space, oracle="random", max_trials=trials, ranks_
 
 import matex  # noqa: E402  (for the report only)
 
-rank = int(os.environ.get("OMPI_COMM_WORLD_RANK", "0"))
 with open("%s.%d" % (out, rank), "w") as f:
     json.dump({"best": best.values, "value": value, "calls": calls, "size": matex.size()}, f)
