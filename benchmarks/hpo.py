@@ -5,6 +5,7 @@
     python benchmarks/hpo.py --algorithms lazy_bo,random,genetic   # leave out Keras Tuner BO
     python benchmarks/hpo.py --algorithms kt_bo,lazy_bo --budgets 40   # shorter searches
     python benchmarks/hpo.py --parallel 4   # lazy GP: 1 worker vs 4 asynchronous workers
+    python benchmarks/hpo.py --parallel 4 --functions hartmann6 --budgets 40   # one cell
 
 One process, no MPI (the oracles are pure Python; the distributed search is
 measured elsewhere). BLAS runs on one thread (OPENBLAS_NUM_THREADS=1 unless
@@ -199,7 +200,8 @@ def parallel(args, workers):
 
     seeds = [1 + 7919 * k for k in range(2 if args.quick else 10)]
     budgets = (12, 20) if args.quick else tuple(args.budgets)
-    tasks = [(f, s, budgets[-1], w) for f in FUNCTIONS for w in (1, workers) for s in seeds]
+    tasks = [(f, s, budgets[-1], w) for f in args.functions for w in (1, workers)
+             for s in seeds]
     processes = min(len(tasks), len(os.sched_getaffinity(0)))
     with multiprocessing.get_context("spawn").Pool(processes) as pool:
         done = pool.map(search_async, tasks, chunksize=1)
@@ -215,6 +217,8 @@ def report_parallel(results):
     workers, budgets = results["workers"], [str(b) for b in results["budgets"]]
     rows, checks = [], []
     for function, (_, minimum) in FUNCTIONS.items():
+        if function not in results["best"]:
+            continue   # left out (--functions)
         for b in budgets:
             one = results["best"][function]["1"][b]
             many = results["best"][function][str(workers)][b]
@@ -246,7 +250,8 @@ def quality(args):
 
     seeds = [1 + 7919 * k for k in range(2 if args.quick else 10)]
     budgets = (6, 12) if args.quick else tuple(args.budgets)
-    tasks = [(a, f, s, budgets[-1]) for f in FUNCTIONS for a in args.algorithms for s in seeds]
+    tasks = [(a, f, s, budgets[-1]) for f in args.functions for a in args.algorithms
+             for s in seeds]
     workers = min(len(tasks), len(os.sched_getaffinity(0)))
     with multiprocessing.get_context("spawn").Pool(workers) as pool:
         done = pool.map(search, tasks, chunksize=1)
@@ -336,6 +341,8 @@ def report(results):
     budgets = [str(b) for b in qual["budgets"]]
     rows = []
     for function, (_, minimum) in FUNCTIONS.items():
+        if function not in qual["functions"]:
+            continue   # left out (--functions)
         for algorithm, description in ALGORITHMS.items():
             entry = qual["functions"][function].get(algorithm)
             if entry is None:
@@ -350,12 +357,13 @@ def report(results):
                             + ["gap @%s" % budgets[-1], "oracle s/trial"], rows), ""]
     middle = str(sizes[1])
     speedup = per[middle]["full_s"] / per[middle]["lazy_s"]
-    ran = [a for a in ALGORITHMS if a in qual["functions"]["branin"]]
-    med = {f: {a: qual["functions"][f][a]["median_best"] for a in ran} for f in FUNCTIONS}
+    functions = [f for f in FUNCTIONS if f in qual["functions"]]
+    ran = [a for a in ALGORITHMS if a in qual["functions"][functions[0]]]
+    med = {f: {a: qual["functions"][f][a]["median_best"] for a in ran} for f in functions}
     lazy_vs_kt = [(f, b, med[f]["lazy_bo"][b], med[f]["kt_bo"][b])
-                  for f in FUNCTIONS for b in budgets if {"lazy_bo", "kt_bo"} <= set(ran)]
+                  for f in functions for b in budgets if {"lazy_bo", "kt_bo"} <= set(ran)]
     beat = [(f, b, a, med[f][a][b], med[f]["random"][b])
-            for f in FUNCTIONS for b in budgets for a in ("lazy_bo", "kt_bo")
+            for f in functions for b in budgets for a in ("lazy_bo", "kt_bo")
             if {a, "random"} <= set(ran)]
     lines += ["Targets:", _common.target(
         "LazyGP add >= 20x faster than refactorisation at n = %s" % middle, speedup >= 20,
@@ -397,6 +405,10 @@ def main():
     if not names or unknown:
         raise SystemExit("--algorithms: a comma-separated list of %s, not %r"
                          % (", ".join(ALGORITHMS), ",".join(names)))
+    functions = _own_option("--functions", list(FUNCTIONS))
+    if not functions or any(f not in FUNCTIONS for f in functions):
+        raise SystemExit("--functions: a comma-separated list of %s, not %r"
+                         % (", ".join(FUNCTIONS), ",".join(functions)))
     budgets = _own_option("--budgets", ["40", "100"])
     if not all(b.isdigit() and int(b) > 0 for b in budgets):
         raise SystemExit("--budgets: comma-separated numbers of evaluations, not %r"
@@ -407,12 +419,16 @@ def main():
         raise SystemExit("--parallel: a number of workers above 1, not %r" % ",".join(workers))
     args = _common.parse_args(__doc__.splitlines()[0], [], repeats=1)
     args.algorithms, args.budgets = names, sorted(int(b) for b in budgets)
+    args.functions = [f for f in FUNCTIONS if f in functions]
+    only = (" --functions " + ",".join(args.functions)
+            if args.functions != list(FUNCTIONS) else "")
     if workers is not None:
         workers = int(workers[0])
         results = {"parallel": parallel(args, workers)}
         command = "python benchmarks/hpo.py --parallel %d" % workers + (
             " --quick" if args.quick else "") + (
-            " --budgets " + ",".join(map(str, args.budgets)) if args.budgets != [40, 100] else "")
+            " --budgets " + ",".join(map(str, args.budgets)) if args.budgets != [40, 100] else ""
+        ) + only
         print(_common.header("hyperparameter search: lazy GP, 1 vs %d asynchronous workers"
                              % workers, command))
         print(report_parallel(results["parallel"]))
@@ -421,7 +437,8 @@ def main():
     results = {"gp_update": gp_update(args), "quality": quality(args)}
     command = "python benchmarks/hpo.py" + (" --quick" if args.quick else "") + (
         " --algorithms " + ",".join(names) if names != list(ALGORITHMS) else "") + (
-        " --budgets " + ",".join(map(str, args.budgets)) if args.budgets != [40, 100] else "")
+        " --budgets " + ",".join(map(str, args.budgets)) if args.budgets != [40, 100] else ""
+    ) + only
     print(_common.header("hyperparameter search: lazy GP and oracles, one process", command))
     print(report(results))
     _common.write_json(args.json, results)

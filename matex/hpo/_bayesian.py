@@ -221,7 +221,10 @@ class LazyBayesianOracle(kt.Oracle):
             for x in self._gp_failed:
                 gp.add(x, observed.max())
             self._add_pending(gp, space, observed)
-            candidates = self._maximise_acquisition(rng, observed.min(), seeds)
+            # the incumbent is the best of the results and of the fantasies (kriging believer:
+            # the fantasies are believed): a running trial the GP expects to beat the best
+            # result is not improved upon by a proposal right beside it
+            candidates = self._maximise_acquisition(rng, float(gp.y.min()), seeds)
         finally:
             gp.truncate(real)
             if early:
