@@ -143,9 +143,17 @@ def _run(argv):
     if rank != 0:
         sys.stdout = _Prefixed(sys.stdout, "[rank %d] " % rank) if all_ranks else open(
             os.devnull, "w")
+    if _config.ft_requested():
+        from matex import _faults
+
+        _faults.maybe_fail(0, "init")   # MATEX_INJECT_FAULT=...,at=init
     from matex import _resilience
 
-    if _resilience.mode() == "ulfm":
+    if _resilience.mode() == "ulfm":   # MPI has started
+        if _config.status_dir():
+            from matex import _status
+
+            _status.report_ready(rank)   # matexrun --ft: ULFM recovers from here on
         # Answer now what would fork later: TensorFlow's import (through h5py)
         # asks `platform` for the processor, which runs `uname -p` once; after
         # MPI_Init a fork is unsafe on RDMA fabrics.

@@ -21,7 +21,9 @@ Fields of one fault (faults are separated by ``;``):
   training step is traced, before the optimizer's first-step broadcast of
   rank 0's state; ``step`` is the optimizer step count then) or
   ``start`` (under ULFM, during MaTEx's start-up, after MPI is initialised and
-  before the first collective; ``step`` must be 0).
+  before the first collective; ``step`` must be 0) or ``init`` (under ULFM, in
+  ``python -m matex`` just before MPI is initialised: a rank lost while MPI
+  starts; ``step`` must be 0).
 
 A fault fires once.
 """
@@ -32,7 +34,7 @@ import signal
 from matex import _config
 
 KINDS = ("kill", "exception", "hang")
-PLACES = ("allreduce", "begin", "evaluate", "checkpoint", "start", "fit", "build")
+PLACES = ("allreduce", "begin", "evaluate", "checkpoint", "start", "fit", "build", "init")
 
 
 class InjectedFault(RuntimeError):
@@ -80,6 +82,10 @@ _pending = None
 
 
 def _world_rank():
+    import sys
+
+    if "mpi4py.MPI" not in sys.modules:   # before MPI starts (at=init): the launcher's rank
+        return _config.launched_rank()
     from mpi4py import MPI
 
     return MPI.COMM_WORLD.Get_rank()

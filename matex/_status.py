@@ -7,6 +7,10 @@ under ``python -m matex``,
 
 * each rank leaves ``started.<world rank>`` (host and pid) when it starts
   (``report_start``): lets the launcher end a rank the survivors excluded;
+* each rank leaves ``ready.<world rank>`` once MPI has started
+  (``report_ready``): from then on ULFM recovers from a lost rank, while a
+  rank lost before that leaves the others waiting inside ``MPI_Init`` (the
+  launcher then relaunches the job, see ``matex.launcher.supervise``);
 * a rank that fails leaves ``failed.<world rank>`` before it dies
   (``report_failure``, called by the resilience layer);
 * a rank whose script returned leaves ``exit.<world rank>`` with its exit
@@ -31,6 +35,7 @@ from matex import _config
 _FAILED = "failed."      # failed.<world rank>: that rank failed
 _STARTED = "started."    # started.<world rank>: {"host", "pid"}
 _EXIT = "exit."          # exit.<world rank>: {"code", "lost"}
+_READY = "ready."        # ready.<world rank>: {} once MPI has started there
 
 
 def _write(directory: str, name: str, text: str) -> str:
@@ -64,6 +69,14 @@ def report_start(rank: int, env: Mapping[str, str] | None = None) -> str | None:
                   json.dumps({"host": socket.gethostname(), "pid": os.getpid()}))
 
 
+def report_ready(rank: int, env: Mapping[str, str] | None = None) -> str | None:
+    """Record that MPI has started on world rank ``rank``; None when not under --ft."""
+    directory = _config.status_dir(env)
+    if not directory:
+        return None
+    return _write(directory, "%s%d" % (_READY, rank), "{}")
+
+
 def report_exit(rank: int, code: int, lost: Iterable[int] = (),
                 env: Mapping[str, str] | None = None) -> str | None:
     """Record that world rank ``rank``'s script ended with exit status ``code``, having
@@ -82,6 +95,7 @@ class Status(NamedTuple):
     exited: dict
     lost: set
     started: dict
+    ready: frozenset = frozenset()
 
 
 def _read(path):
@@ -94,11 +108,15 @@ def _read(path):
 
 def read_status(directory: str | os.PathLike) -> Status:
     """The reports in ``directory``: failed ranks (last line of their traceback), exited ranks
-    (exit status), the ranks some exited rank had lost, started ranks ((host, pid))."""
-    failed, exited, lost, started = {}, {}, set(), {}
+    (exit status), the ranks some exited rank had lost, started ranks ((host, pid)), the
+    ranks where MPI has started."""
+    failed, exited, lost, started, ready = {}, {}, set(), {}, set()
     for name in os.listdir(directory):
         prefix, _, rank = name.rpartition(".")
-        if not rank.isdigit() or prefix + "." not in (_FAILED, _STARTED, _EXIT):
+        if not rank.isdigit() or prefix + "." not in (_FAILED, _STARTED, _EXIT, _READY):
+            continue
+        if prefix + "." == _READY:
+            ready.add(int(rank))
             continue
         text = _read(os.path.join(directory, name))
         if text is None:
@@ -115,7 +133,7 @@ def read_status(directory: str | os.PathLike) -> Status:
             lost.update(int(r) for r in record.get("lost", ()))
         else:
             started[int(rank)] = (record["host"], int(record["pid"]))
-    return Status(failed, exited, lost, started)
+    return Status(failed, exited, lost, started, frozenset(ready))
 
 
 def failed_ranks(directory: str | os.PathLike) -> dict[int, str]:

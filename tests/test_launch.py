@@ -245,6 +245,23 @@ def test_matexrun_ft_exit_status_is_the_survivors_verdict(tmp_path, mode, code):
         assert sorted(out.splitlines()) == ["[rank 1] rank 1 sum 3.0", "[rank 2] rank 2 sum 3.0"]
 
 
+@pytest.mark.ulfm
+def test_matexrun_ft_relaunches_a_job_whose_rank_died_while_mpi_started(tmp_path):
+    # Rank 1 SIGKILLs itself just before MPI_Init. ULFM cannot recover there:
+    # the others waited inside MPI_Init forever (the chaos tier's seed 11, run 6,
+    # rank 0 killed 2 s after start, hung 400 s). Nothing was computed, so
+    # matexrun ends the job and launches it again on the 2 ranks left.
+    script = tmp_path / "kill.py"
+    script.write_text(KILL_SCRIPT)
+    rc, out, err = _matexrun_ft(tmp_path, ["--inject-fault", "rank=1,step=0,kind=kill,at=init",
+                                           "-n", "3", str(script), "ok"], timeout=180)
+    assert rc == 0, err[-3000:]
+    assert ("matexrun: rank(s) 1 died while MPI was starting, before any rank could compute "
+            "(ULFM recovers from a lost rank only once MPI has started); relaunching the job "
+            "on 2 rank(s) (1 of 3)") in err.splitlines(), err[-3000:]
+    assert sorted(out.splitlines()) == ["[rank 1] rank 1 sum 2.0", "rank 0 sum 2.0"]
+
+
 def test_matexrun_ft_ends_a_rank_that_hangs_at_start(tmp_path):
     # Rank 1 stops itself (SIGSTOP) during start-up; the failure detector lets
     # the others exclude it and finish; matexrun then ends it and exits 0

@@ -200,28 +200,93 @@ def run_fault_tolerant(cmd: Sequence[str], env: Mapping[str, str], nranks: int,
     ``job_exit_status``. Once every rank has finished, failed or been excluded
     by a survivor, excluded ranks still running are ended (see ``END_GRACE_S``).
     A launch that failed transiently before any rank started is retried.
+
+    ULFM recovers from a lost rank only once MPI has started: a rank lost
+    before (or inside) ``MPI_Init`` leaves every other rank waiting in
+    ``MPI_Init`` forever. When a rank on this host has died while no rank has
+    MPI running yet (``report_ready``), nothing has been computed, so the job
+    is ended and launched again on the ranks that are left (at most
+    ``INIT_RELAUNCHES`` times). A rank on another host lost that early is not
+    seen here (its process cannot be watched from this host).
     """
-    for attempt in range(STARTUP_RETRIES + 1):
-        code, line, retry = _run_fault_tolerant_once(cmd, env, nranks, status_parent)
-        if not retry or attempt == STARTUP_RETRIES:
-            break
-        _note_retry(attempt + 1)
+    retries = relaunches = 0
+    cmd, env = list(cmd), dict(env)
+    while True:
+        code, line, outcome = _run_fault_tolerant_once(cmd, env, nranks, status_parent)
+        if outcome == "failed to start" and retries < STARTUP_RETRIES:
+            retries += 1
+            _note_retry(retries)
+            continue
+        if isinstance(outcome, list) and relaunches < INIT_RELAUNCHES \
+                and nranks > len(outcome):
+            relaunches += 1
+            nranks -= len(outcome)
+            cmd[cmd.index("-n") + 1] = str(nranks)
+            env["MATEX_INJECT_FAULT"] = ""   # injected faults fire in the first run only
+            print("matexrun: rank(s) %s died while MPI was starting, before any rank could "
+                  "compute (ULFM recovers from a lost rank only once MPI has started); "
+                  "relaunching the job on %d rank(s) (%d of %d)"
+                  % (", ".join(map(str, outcome)), nranks, relaunches, INIT_RELAUNCHES),
+                  file=sys.stderr, flush=True)
+            continue
+        break
     if line:
         print(line, file=sys.stderr, flush=True)
     return code
 
 
+# A rank on this host that died while no rank had started MPI leaves the
+# others inside MPI_Init for good; after this many seconds with no rank
+# reporting MPI started, the job is ended and relaunched (INIT_RELAUNCHES).
+INIT_DEATH_GRACE_S = 3.0
+INIT_RELAUNCHES = 3
+
+
+def _dead_local_ranks(status, directory):
+    """Ranks that started on this host, reported no end, and whose process is gone."""
+    here = socket.gethostname()
+    return sorted(r for r, (host, pid) in status.started.items()
+                  if host == here and r not in status.exited and r not in status.failed
+                  and not _is_our_rank(pid, directory))
+
+
+def _end_job(job, status, directory):
+    """End mpiexec and every rank of the job still running on this host."""
+    for rank, (host, pid) in status.started.items():
+        if host == socket.gethostname() and _is_our_rank(pid, directory):
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except OSError:
+                pass   # gone already
+    job.proc.terminate()
+    try:
+        job.proc.wait(timeout=END_GRACE_S)
+    except subprocess.TimeoutExpired:
+        job.proc.kill()
+
+
 def _run_fault_tolerant_once(cmd, env, nranks, status_parent):
-    """One launch under ``--ft``: (exit status, its line, whether it failed to start)."""
+    """One launch under ``--ft``: (exit status, its line, outcome): outcome is None, "failed
+    to start" (transient launcher failure) or the ranks that died before MPI started."""
     with status_directory(status_parent) as directory:
         job = _Mpiexec(cmd, {**env, STATUS_DIR_VAR: directory})
         proc = job.proc
-        settled, terminated = None, False
+        settled, terminated, dying = None, False, None
         try:
             while proc.poll() is None:
                 time.sleep(POLL_S)
                 if settled is None:
                     status = read_status(directory)
+                    if not status.ready and not status.exited:
+                        dead = _dead_local_ranks(status, directory)
+                        if not dead:
+                            dying = None
+                        elif dying is None:
+                            dying = time.monotonic()
+                        elif time.monotonic() - dying > INIT_DEATH_GRACE_S:
+                            _end_job(job, status, directory)
+                            job.wait()
+                            return proc.returncode, None, dead
                     accounted = set(status.exited) | set(status.failed) | status.lost
                     if status.exited and accounted >= set(range(nranks)):
                         settled = time.monotonic()
@@ -245,7 +310,8 @@ def _run_fault_tolerant_once(cmd, env, nranks, status_parent):
         job.wait()
         status = read_status(directory)
         code, line = job_exit_status(status, nranks, proc.returncode)
-        return code, line, job.failed_to_start() and not status.started
+        return code, line, ("failed to start" if job.failed_to_start() and not status.started
+                            else None)
 
 
 def run_with_restarts(cmd: Sequence[str], nranks: int, env: dict[str, str],
