@@ -22,7 +22,7 @@ from typing import Optional
 
 import tensorflow as tf
 
-from matex import _collectives, _compat, _faults
+from matex import _collectives, _commit, _compat, _faults
 from matex.compression import _spec as _compression
 from matex.compression import _reduce
 
@@ -81,21 +81,9 @@ class _DistributedMixin:
             else:
                 grads = _reduce.reduce_gradients(grads, trainable_variables, state.compression,
                                                  state.op, state.threshold, names)
-        if tf.executing_eagerly():
-            return super().apply(grads, trainable_variables)
-        # All-or-nothing update: no variable changes before every reduction
-        # succeeded, and no later collective starts before the update is done.
-        # (Every op of the update, the step counter included, is created under
-        # this dependency: Keras increments `iterations` with no data
-        # dependency on the gradients.)
-        graph = tf.compat.v1.get_default_graph()
-        first = len(graph.get_operations())
-        with tf.control_dependencies([g for g in grads if g is not None]):
-            result = super().apply(grads, trainable_variables)
-        update_ops = graph.get_operations()[first:]
-        if update_ops:
-            _collectives.set_barrier(tf.group(*update_ops))
-        return result
+        # all-or-nothing: after every reduced gradient, before any later collective
+        inner_apply = super().apply
+        return _commit.commit(lambda: inner_apply(grads, trainable_variables), after=grads)
 
     def _matex_first_step_sync(self, variables):
         """Broadcast rank 0's weights and optimizer state; returns a tensor or None.
