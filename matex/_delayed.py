@@ -181,8 +181,8 @@ class Delayed:
                 self.inner_apply(previous, self.variables)
         return bool(valid)
 
-    def recovery_state(self, optimizer, variables):
-        """The recovery loop's state for this path (``_recovery.optimizer_states``)."""
+    def recovery_state(self, optimizer, variables) -> "DelayState":
+        """Its step state (joined to the optimizer by ``DistributedOptimizer``)."""
         return DelayState(self)
 
     def drop(self):

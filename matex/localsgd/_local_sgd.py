@@ -147,7 +147,8 @@ class LocalStrategy:
                 for n in sizes]
         _stats.record([_name(None, variables, i) for i in range(len(variables))], sent, sizes)
 
-    def recovery_state(self, optimizer, variables):
+    def recovery_state(self, optimizer, variables) -> "RollbackState":
+        """Its step state (joined to the optimizer by ``convert``): the rollback point."""
         return RollbackState(self, optimizer, variables)
 
 
@@ -209,6 +210,7 @@ def convert(optimizer, strategy):
                          "data parallelism with compression"
                          % (strategy.name, optimizer._matex.compression))
     optimizer._matex.strategy = strategy
+    _recovery.join(optimizer, strategy.recovery_state)   # its rollback point
     return optimizer
 
 

@@ -365,3 +365,35 @@ def test_every_update_commits_through_the_commit_point(kind, monkeypatch):
         if kind == "delay":
             assert "AssignVariableOp" in types, types
 
+
+def test_step_states_are_those_that_joined():
+    """Per-step state joins the registry where it is made (delay=1's handles, Local SGD's
+    rollback, a compressor's residuals); fit and run_resilient ask it, the model's own
+    state first."""
+    from matex import _delayed, _recovery
+    from matex.compression import TopK
+    from matex.compression._base import CompressorState
+    from matex.localsgd._local_sgd import RollbackState
+
+    def kinds(optimizer):
+        return [type(s) for s in _recovery.step_states(optimizer, lambda: [])]
+
+    assert kinds(keras.optimizers.SGD()) == []
+    assert kinds(matex.DistributedOptimizer(keras.optimizers.SGD())) == []
+    assert kinds(matex.DistributedOptimizer(keras.optimizers.SGD(), delay=1)) == \
+        [_delayed.DelayState]
+    assert kinds(matex.DistributedOptimizer(keras.optimizers.SGD(),
+                                            compression=TopK(0.1))) == [CompressorState]
+    assert kinds(matex.LocalSGD(keras.optimizers.SGD(), sync_every=2)) == [RollbackState]
+    assert kinds(matex.DiLoCo(keras.optimizers.SGD(), keras.optimizers.SGD(),
+                              sync_every=2)) == [RollbackState]
+
+    class Counter(_recovery.State):
+        pass
+
+    m = model(seed=1)
+    m.compile(optimizer=matex.LocalSGD(keras.optimizers.SGD(0.1), sync_every=2), loss="mse")
+    _recovery.join(m.optimizer, lambda optimizer, variables: Counter())
+    states = _recovery.model_states(m)
+    assert [type(s) for s in states] == [_recovery.VariablesState, RollbackState, Counter]
+    assert states[1].variables is states[0].variables   # a rollback puts the model back too
