@@ -40,7 +40,7 @@ import atexit
 
 import tensorflow as tf
 
-from matex import _collectives, _recovery, _stats
+from matex import _collectives, _commit, _recovery, _stats
 from matex.compression._reduce import _name
 
 _exit_hook = []
@@ -150,26 +150,21 @@ class Delayed:
         order = [i for _, idx in self.plan for i in idx]
         sizes = [grads[i].shape.num_elements() * grads[i].dtype.size for i in order]
         _stats.record([_name(None, variables, i) for i in order], sizes, sizes)
-        graph = None if tf.executing_eagerly() else tf.compat.v1.get_default_graph()
-        first = len(graph.get_operations()) if graph is not None else 0
-        # all-or-nothing: nothing changes before the wait and the post succeeded
-        with tf.control_dependencies([started] + [g for g in previous if g is not None]):
+
+        def update():
+            inner_apply(previous, variables)
+            return tf.constant(True)
+
+        def skip():
+            optimizer.iterations.assign_add(1)
+            return tf.constant(False)
+
+        def apply_or_skip():
             self.handles.assign(started)
+            return _cond(valid, update, skip)
 
-            def update():
-                inner_apply(previous, variables)
-                return tf.constant(True)
-
-            def skip():
-                optimizer.iterations.assign_add(1)
-                return tf.constant(False)
-
-            result = _cond(valid, update, skip)
-        if graph is not None:
-            update_ops = graph.get_operations()[first:]
-            if update_ops:
-                _collectives.set_barrier(tf.group(*update_ops))
-        return result
+        # all-or-nothing: nothing changes before the wait and the post succeeded
+        return _commit.commit(apply_or_skip, after=[started] + previous)
 
     def pending(self):
         """Whether a gradient is in flight (eager)."""
@@ -186,8 +181,8 @@ class Delayed:
                 self.inner_apply(previous, self.variables)
         return bool(valid)
 
-    def recovery_state(self, optimizer, variables):
-        """The recovery loop's state for this path (``_recovery.optimizer_states``)."""
+    def recovery_state(self, optimizer, variables) -> "DelayState":
+        """Its step state (joined to the optimizer by ``DistributedOptimizer``)."""
         return DelayState(self)
 
     def drop(self):

@@ -22,7 +22,7 @@ from typing import Optional
 
 import tensorflow as tf
 
-from matex import _collectives, _compat, _faults
+from matex import _collectives, _commit, _compat, _faults, _recovery
 from matex.compression import _spec as _compression
 from matex.compression import _reduce
 
@@ -41,6 +41,8 @@ class _State:
         self.flags = []              # in-graph first-step sync flags
         self.capture = None          # list collecting gradients (XLA split), or None
         self.strategy = None         # fewer synchronisations: _delayed.Delayed, localsgd
+        self.compression = None      # a matex.compression compressor, or None
+        self.joined = []             # makers of its per-step states (_recovery.join)
 
 
 class _DistributedMixin:
@@ -81,21 +83,9 @@ class _DistributedMixin:
             else:
                 grads = _reduce.reduce_gradients(grads, trainable_variables, state.compression,
                                                  state.op, state.threshold, names)
-        if tf.executing_eagerly():
-            return super().apply(grads, trainable_variables)
-        # All-or-nothing update: no variable changes before every reduction
-        # succeeded, and no later collective starts before the update is done.
-        # (Every op of the update, the step counter included, is created under
-        # this dependency: Keras increments `iterations` with no data
-        # dependency on the gradients.)
-        graph = tf.compat.v1.get_default_graph()
-        first = len(graph.get_operations())
-        with tf.control_dependencies([g for g in grads if g is not None]):
-            result = super().apply(grads, trainable_variables)
-        update_ops = graph.get_operations()[first:]
-        if update_ops:
-            _collectives.set_barrier(tf.group(*update_ops))
-        return result
+        # all-or-nothing: after every reduced gradient, before any later collective
+        inner_apply = super().apply
+        return _commit.commit(lambda: inner_apply(grads, trainable_variables), after=grads)
 
     def _matex_first_step_sync(self, variables):
         """Broadcast rank 0's weights and optimizer state; returns a tensor or None.
@@ -326,10 +316,13 @@ def DistributedOptimizer(optimizer, op: Optional[str] = None,
     optimizer.__class__ = _distributed_class(type(optimizer))
     object.__setattr__(optimizer, "_matex", _State(op or "average", fusion_threshold))
     optimizer._matex.compression = compressor
+    if compressor is not None:   # its residuals, Q and step counter
+        _recovery.join(optimizer, compressor.recovery_state)
     if delay:
         from matex import _delayed
 
         optimizer._matex.strategy = _delayed.Delayed()
+        _recovery.join(optimizer, optimizer._matex.strategy.recovery_state)   # request in flight
     inner = getattr(optimizer, "inner_optimizer", None)   # LossScaleOptimizer
     if inner is not None:
         object.__setattr__(inner, "_matex_reduced_by_wrapper", True)

@@ -22,9 +22,22 @@ to launch with fault tolerance); any other error propagates as it is.
 ``fit``, ``evaluate``/``predict`` and ``run_resilient`` (custom loops) all go
 through it (Horovod's elastic ``State``/``run`` and torchft's ``Manager`` are
 the prior art for this shape).
+
+Which states: per-step state joins a registry where it is made, instead of
+the loop probing for it. A model contributes its variables
+(``model_state``); everything else joins its optimizer (``join``): a
+``delay=1`` path's request in flight (``_delayed.DelayState``), Local SGD's
+and DiLoCo's rollback point (``localsgd.RollbackState``), a compressor's
+residuals (``compression._base.CompressorState``). ``model_states(model)``
+and ``step_states(optimizer, variables)`` hand the loop that list. The
+commit they are all consistent with is one point too: ``matex._commit``
+builds every update all-or-nothing, its step counter moving with it, and
+``begin_step``/``restore`` read that counter to tell a committed step from
+one to undo.
 """
 
 import time
+from typing import Any, Callable, List
 
 import numpy as np
 
@@ -49,19 +62,19 @@ def _snapshot(variables):
 
 
 class State:
-    """Something the recovery loop keeps consistent across a rank failure."""
+    """Something the recovery loop keeps consistent across a rank failure (see ``join``)."""
 
-    def begin_step(self):
+    def begin_step(self) -> None:
         """A step begins (the loop's callers call it before every step; local)."""
 
-    def restore(self):
+    def restore(self) -> None:
         """Undo this rank's uncommitted work (local)."""
 
-    def sync(self):
+    def sync(self) -> None:
         """Take the new rank 0's values (collective)."""
 
-    def arrays(self):
-        """NumPy arrays that must be bitwise equal on every rank after ``sync``."""
+    def arrays(self) -> list:
+        """NumPy arrays that must be bitwise equal on every rank after ``sync`` (digested)."""
         return []
 
 
@@ -151,26 +164,32 @@ def model_state(model, track_steps=True):
     return VariablesState(variables, counter, undo, after_sync)
 
 
-def optimizer_states(optimizer, variables):
-    """The state objects ``optimizer``'s synchronisation rule and compressor add, if any.
+def join(optimizer, make: Callable[[Any, Callable[[], list]], State]) -> None:
+    """Make the state ``make(optimizer, variables)`` builds one of ``optimizer``'s step states.
 
-    Local SGD and DiLoCo roll back to the last synchronisation, a ``delay=1``
-    optimizer drops its request in flight (``matex.localsgd``,
-    ``matex._delayed``), a compressor puts its residuals, Q and step counter
-    back to the step's start (``compression._base.CompressorState``).
+    Called where per-step state is made: a ``delay=1`` path (its request in
+    flight), a Local SGD/DiLoCo rule (its rollback point), a compressor given
+    to the optimizer (its residuals, Q and step counter). ``step_states``
+    builds them, in the order they joined, for each loop that runs steps.
     ``variables()``: the model's and the optimizer's variables, which a
-    rollback puts back too. Place them after the model's
-    state: their ``restore`` and ``sync`` run after its.
+    rollback puts back too.
     """
+    optimizer._matex.joined.append(make)
+
+
+def step_states(optimizer, variables: Callable[[], list]) -> List[State]:
+    """The states that joined ``optimizer`` (``join``), built for ``variables``; [] for an
+    optimizer MaTEx did not distribute. They go after the model's own state: their
+    ``restore`` and ``sync`` run after its."""
     settings = getattr(optimizer, "_matex", None)
-    strategy = getattr(settings, "strategy", None)
-    make = getattr(strategy, "recovery_state", None)
-    states = [make(optimizer, variables)] if make is not None else []
-    compressor = getattr(settings, "compression", None)
-    if getattr(compressor, "recovery_state", None) is not None:
-        # residuals, Q, its step counter
-        states.append(compressor.recovery_state(lambda: int(optimizer.iterations)))
-    return states
+    return [make(optimizer, variables) for make in getattr(settings, "joined", ())]
+
+
+def model_states(model, track_steps: bool = True) -> List[State]:
+    """Every per-step state of a Keras model: its variables' (``model_state``), then those
+    that joined its optimizer (``step_states``)."""
+    state = model_state(model, track_steps)
+    return [state] + step_states(getattr(model, "optimizer", None), state.variables)
 
 
 def run(body, states, on_recovered=None, callbacks=()):
@@ -225,7 +244,7 @@ def run_resilient(step, num_steps, variables, optimizer, undo_on_redo=()):
 
     state = VariablesState(lambda: variables, lambda: optimizer.iterations, lambda: undo,
                            after_sync)
-    states = [state] + optimizer_states(optimizer, lambda: variables)
+    states = [state] + step_states(optimizer, state.variables)
     recoveries = []
 
     def body():

@@ -224,9 +224,9 @@ def fit(original):
         ft = _resilience.mode() == "ulfm"
         if ft:
             _build_before_training(self, x, y, sw)
-        state = _recovery.model_state(self, track_steps=ft)
-        # the optimizer's own (Local SGD's rollback, delay=1's request in flight)
-        states = [state] + _recovery.optimizer_states(self.optimizer, state.variables)
+        # the model's, then those that joined its optimizer (Local SGD's rollback,
+        # delay=1's request in flight, a compressor's residuals)
+        states = _recovery.model_states(self, track_steps=ft)
         step_begin = _StepBegin(states if ft else None)
         _announce(size, ft)
         verbose, epochs = a["verbose"], a["epochs"]

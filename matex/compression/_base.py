@@ -148,10 +148,10 @@ class Compressor:
         memory = getattr(self, "memory", None)
         return memory.values() if memory is not None else []
 
-    def recovery_state(self, counter):
-        """This compressor's part of the recovery loop's commit rule (``CompressorState``);
-        ``counter()``: the optimizer's step count, which moves when a step commits."""
-        return CompressorState(self, counter)
+    def recovery_state(self, optimizer, variables) -> "CompressorState":
+        """This compressor's step state for ``optimizer`` (``CompressorState``), which
+        ``DistributedOptimizer`` joins to it: its step count moves when a step commits."""
+        return CompressorState(self, lambda: int(optimizer.iterations))
 
     def __repr__(self):
         return "%s(min_size=%d)" % (type(self).__name__, self.min_size)

@@ -29,7 +29,7 @@ counted twice.
 
 import tensorflow as tf
 
-from matex import _collectives, _compat, _fusion, _optimizer, _recovery, _stats
+from matex import _collectives, _commit, _compat, _fusion, _optimizer, _recovery, _stats
 from matex.compression._reduce import _name
 
 
@@ -42,16 +42,17 @@ def check_sync_every(sync_every):
 
 
 def _cond(pred, true_fn):
-    """Run ``true_fn`` when ``pred``: tf.cond in a graph (ordered), an ``if`` eagerly."""
+    """Run ``true_fn`` when ``pred``, as a commit (``_commit``): an ``if`` eagerly; in a
+    graph a tf.cond after the graph's last collective, every later collective after it.
+
+    The collectives inside a cond are ordered explicitly that way, and the
+    synchronisation it holds (the average, then the assignments) is
+    all-or-nothing like any other update.
+    """
     if tf.executing_eagerly():
         return true_fn() if bool(pred) else tf.constant(False)
-    graph = tf.compat.v1.get_default_graph()
-    # Collectives inside a cond are ordered explicitly: after the graph's last
-    # collective, and every later one after the whole cond (set_barrier).
-    with tf.control_dependencies(_optimizer._last_collectives(graph)):
-        out = tf.cond(pred, true_fn, lambda: tf.constant(False))
-    _collectives.set_barrier(out.op)
-    return out
+    last = _optimizer._last_collectives(tf.compat.v1.get_default_graph())
+    return _commit.commit(lambda: tf.cond(pred, true_fn, lambda: tf.constant(False)), after=last)
 
 
 class LocalStrategy:
@@ -146,7 +147,8 @@ class LocalStrategy:
                 for n in sizes]
         _stats.record([_name(None, variables, i) for i in range(len(variables))], sent, sizes)
 
-    def recovery_state(self, optimizer, variables):
+    def recovery_state(self, optimizer, variables) -> "RollbackState":
+        """Its step state (joined to the optimizer by ``convert``): the rollback point."""
         return RollbackState(self, optimizer, variables)
 
 
@@ -208,6 +210,7 @@ def convert(optimizer, strategy):
                          "data parallelism with compression"
                          % (strategy.name, optimizer._matex.compression))
     optimizer._matex.strategy = strategy
+    _recovery.join(optimizer, strategy.recovery_state)   # its rollback point
     return optimizer
 
 

@@ -282,7 +282,7 @@ def test_compressor_state_is_put_back_when_a_step_does_not_commit(make):
 
     for i in range(2):
         step(*data(i))
-    (state,) = [s for s in _recovery.optimizer_states(opt, lambda: [])
+    (state,) = [s for s in _recovery.step_states(opt, lambda: [])
                 if isinstance(s, CompressorState)]
 
     def values():

@@ -296,3 +296,104 @@ def test_mixed_precision_reduces_gradients_once_per_step(monkeypatch, wrapped_by
         keras.mixed_precision.set_global_policy("float32")
     assert reductions == [4, 4], reductions   # 2 steps, 4 gradients each, once
     assert all_equal_bytes([v.numpy() for v in m.variables])
+
+
+def _covered(barrier):
+    """The ops a barrier (a group: NoOps over control inputs) stands for."""
+    seen, out, todo = set(), [], [barrier]
+    while todo:
+        op = todo.pop()
+        if op.name in seen:
+            continue
+        seen.add(op.name)
+        if op.type == "NoOp":
+            todo.extend(op.control_inputs)
+        else:
+            out.append(op)
+    return out
+
+
+@pytest.mark.parametrize("kind", ["plain", "delay", "localsgd"])
+def test_every_update_commits_through_the_commit_point(kind, monkeypatch):
+    """One commit point (``matex._commit``) makes every optimizer's update all-or-nothing:
+    once per apply, the update is the graph's barrier, and a collective created after it
+    (the next step's, a metric's) waits for the whole update, the step counter's increment
+    included. Only traced, not run."""
+    from matex import _collectives, _commit
+
+    keras.utils.set_random_seed(3)
+    layer = keras.layers.Dense(2)
+    layer.build((None, 3))
+    opt = {"plain": lambda: matex.DistributedOptimizer(keras.optimizers.SGD(0.1)),
+           "delay": lambda: matex.DistributedOptimizer(keras.optimizers.SGD(0.1), delay=1),
+           "localsgd": lambda: matex.LocalSGD(keras.optimizers.SGD(0.1), sync_every=2)}[kind]()
+    opt.build(layer.trainable_variables)
+    barriers, real = [], _commit.commit
+
+    def spy(update, after=()):
+        result = real(update, after)
+        graph = tf.compat.v1.get_default_graph()
+        barriers.append((graph, _collectives._barriers.get(graph)))
+        return result
+
+    monkeypatch.setattr(_commit, "commit", spy)
+
+    @tf.function
+    def step(x):
+        with tf.GradientTape() as tape:
+            loss = tf.reduce_sum(layer(x))
+        opt.apply(tape.gradient(loss, layer.trainable_variables), layer.trainable_variables)
+        return matex.allreduce(loss, "sum")
+
+    graph = step.get_concrete_function(tf.TensorSpec([4, 3], tf.float32)).graph
+    barriers = [b for g, b in barriers if g is graph]   # (tf.function may trace twice)
+    assert len(barriers) == 1 and barriers[0] is not None, barriers
+    barrier = barriers[0]
+    later = [op for op in graph.get_operations() if op.type == "MatexAllreduce"][-1]
+    assert barrier in later.control_inputs
+    covered = _covered(barrier)
+    types = {op.type for op in covered}
+    if kind == "plain":
+        # the weights' update and the step counter's increment (Keras gives it no data
+        # dependency on the gradients: only the commit point puts it in the update)
+        counter = [op for op in covered if op.type == "AssignVariableOp"
+                   and op.get_attr("dtype") == tf.int64]
+        assert len(counter) == 1, types
+        assert "AssignSubVariableOp" in types, types
+    else:   # delay=1: the handles and the apply-or-skip cond; LocalSGD: the sync cond
+        assert types & {"If", "StatelessIf"}, types
+        if kind == "delay":
+            assert "AssignVariableOp" in types, types
+
+
+def test_step_states_are_those_that_joined():
+    """Per-step state joins the registry where it is made (delay=1's handles, Local SGD's
+    rollback, a compressor's residuals); fit and run_resilient ask it, the model's own
+    state first."""
+    from matex import _delayed, _recovery
+    from matex.compression import TopK
+    from matex.compression._base import CompressorState
+    from matex.localsgd._local_sgd import RollbackState
+
+    def kinds(optimizer):
+        return [type(s) for s in _recovery.step_states(optimizer, lambda: [])]
+
+    assert kinds(keras.optimizers.SGD()) == []
+    assert kinds(matex.DistributedOptimizer(keras.optimizers.SGD())) == []
+    assert kinds(matex.DistributedOptimizer(keras.optimizers.SGD(), delay=1)) == \
+        [_delayed.DelayState]
+    assert kinds(matex.DistributedOptimizer(keras.optimizers.SGD(),
+                                            compression=TopK(0.1))) == [CompressorState]
+    assert kinds(matex.LocalSGD(keras.optimizers.SGD(), sync_every=2)) == [RollbackState]
+    assert kinds(matex.DiLoCo(keras.optimizers.SGD(), keras.optimizers.SGD(),
+                              sync_every=2)) == [RollbackState]
+
+    class Counter(_recovery.State):
+        pass
+
+    m = model(seed=1)
+    m.compile(optimizer=matex.LocalSGD(keras.optimizers.SGD(0.1), sync_every=2), loss="mse")
+    _recovery.join(m.optimizer, lambda optimizer, variables: Counter())
+    states = _recovery.model_states(m)
+    assert [type(s) for s in states] == [_recovery.VariablesState, RollbackState, Counter]
+    assert states[1].variables is states[0].variables   # a rollback puts the model back too
