@@ -40,6 +40,42 @@ def check_group_size(k: Any, size: int, argument: str = "ranks per group",
     return k
 
 
+def _dup_agreed(world):
+    """A duplicate of ``world``, or None on every rank when a rank failed meanwhile (ULFM).
+
+    A collective can fail on some ranks and succeed on others; an agreement on
+    the outcome makes every survivor take the same branch. Without ULFM a
+    failure propagates.
+    """
+    from mpi4py import MPI
+
+    from matex import _resilience
+
+    if _runtime.ft_mode() != "ulfm":
+        return world.Dup()
+    service, ok = None, 1
+    try:
+        service = world.Dup()
+    except MPI.Exception as exc:
+        if not _resilience.is_failure(exc):
+            raise
+        ok = 0
+    try:
+        ok = world.Agree(ok)
+    except MPI.Exception as exc:
+        if not _resilience.is_failure(exc):
+            raise
+        ok = 0   # the agreement itself reports the failure, alike on every survivor
+    if ok:
+        return service
+    if service is not None:
+        try:
+            service.Free()
+        except MPI.Exception:
+            pass
+    return None
+
+
 class Groups:
     """This rank's place among groups of ``k`` ranks (collective over ``world`` to build).
 
@@ -48,16 +84,27 @@ class Groups:
     """
 
     def __init__(self, k: int, world=None):
-        self.world = world if world is not None else _runtime.comm()
+        from mpi4py import MPI
+
+        for attempt in range(8):
+            # A rank lost before the groups exist (ULFM): the survivors all see it
+            # (agreed), shrink the world as the recovery loop does, and group themselves.
+            self.world = world if world is not None else _runtime.comm()
+            service = _dup_agreed(self.world)
+            if service is not None or world is not None or attempt == 7:
+                break
+            from matex import _resilience
+
+            _resilience.recover()
+        if service is None:
+            raise MPI.Exception(MPI.ERR_PROC_FAILED)
         self.size = self.world.Get_size()
         self.k = check_group_size(k, self.size)
         self.world_rank = self.world.Get_rank()
         self.count = self.size // self.k
         self.index = self.world_rank // self.k
         self._members = [list(range(g * self.k, (g + 1) * self.k)) for g in range(self.count)]
-        self.service = self.world.Dup()
-        from mpi4py import MPI
-
+        self.service = service
         self.service.Set_errhandler(MPI.ERRORS_RETURN)
         self.owner_rank = 0   # service rank owning the work (a survivor after a takeover)
         self._saved = None

@@ -30,9 +30,8 @@ class TrialGroups(Groups):
     """
 
     def __init__(self, k: int, world=None):
-        world = world if world is not None else _runtime.comm()
-        check_ranks_per_trial(k, world.Get_size())
-        super().__init__(k, world)
+        check_ranks_per_trial(k, (world if world is not None else _runtime.comm()).Get_size())
+        super().__init__(k, world)   # world None: the survivors', if a rank is lost meanwhile
 
     def _entering(self) -> None:
         _runtime.control_class = checked_class()

@@ -181,6 +181,11 @@ class PipelineModel(PipelineExecution, PipelineCheckpoints, keras.Model):
     def __init__(self, model, microbatches: int = 1, schedule: str = "1f1b", grid=None,
                  stages=None, name=None):
         super().__init__(name=name or "%s_pipeline" % model.name)
+        # a stage lost while the pipeline is set up ends it as one lost in training does
+        self._refusing_recovery(lambda: self._construct(model, microbatches, schedule, grid,
+                                                        stages))
+
+    def _construct(self, model, microbatches, schedule, grid, stages):
         layout = _Layout(grid)
         object.__setattr__(self, "_layout", layout)
         object.__setattr__(self, "_full", model)   # structure only (not tracked)
@@ -365,11 +370,13 @@ class PipelineModel(PipelineExecution, PipelineCheckpoints, keras.Model):
         """World ranks (of the pipeline's grid) that failed, after revoking its communicators."""
         from matex.parallel._grid import revoke_and_find_lost
 
+        layout = self.__dict__.get("_layout")   # None while the pipeline is set up
         comms = [_runtime.comm()]
-        g = self._layout.grid
+        g = layout.grid if layout is not None else None
         if g is not None:
             comms += [g.pipeline_comm, g.tensor_comm, g.world_comm]
-        return revoke_and_find_lost(comms, self._layout.control)
+        return revoke_and_find_lost(comms, layout.control if layout is not None
+                                    else _runtime.control())
 
     def _quiet(self, verbose):
         return verbose if self._layout.world_rank == 0 else 0
@@ -402,25 +409,38 @@ class PipelineModel(PipelineExecution, PipelineCheckpoints, keras.Model):
 
     def fit(self, x=None, y=None, batch_size=None, epochs=1, verbose="auto", **kwargs):
         self._require_built()
-        _agreed(self._layout.control, lambda: self._check_array_batches(x, batch_size, "fit"))
-        self._sync_replicas()
-        x, y, batch_size, kwargs = self._shuffled_in_one_order(x, y, batch_size, kwargs)
-        return self._refusing_recovery(lambda: super(PipelineModel, self).fit(
-            x, y, batch_size=batch_size, epochs=epochs, verbose=self._quiet(verbose), **kwargs))
+
+        def run():   # the set-up's collectives too: a stage may be lost in any of them
+            _agreed(self._layout.control,
+                    lambda: self._check_array_batches(x, batch_size, "fit"))
+            self._sync_replicas()
+            data, labels, batch, rest = self._shuffled_in_one_order(x, y, batch_size, kwargs)
+            return super(PipelineModel, self).fit(data, labels, batch_size=batch, epochs=epochs,
+                                                  verbose=self._quiet(verbose), **rest)
+
+        return self._refusing_recovery(run)
 
     def evaluate(self, x=None, y=None, batch_size=None, verbose="auto", **kwargs):
         self._require_built()
-        _agreed(self._layout.control,
-               lambda: self._check_array_batches(x, batch_size, "evaluate"))
-        self._sync_replicas()
-        return self._refusing_recovery(lambda: super(PipelineModel, self).evaluate(
-            x, y, batch_size=batch_size, verbose=self._quiet(verbose), **kwargs))
+
+        def run():
+            _agreed(self._layout.control,
+                    lambda: self._check_array_batches(x, batch_size, "evaluate"))
+            self._sync_replicas()
+            return super(PipelineModel, self).evaluate(
+                x, y, batch_size=batch_size, verbose=self._quiet(verbose), **kwargs)
+
+        return self._refusing_recovery(run)
 
     def predict(self, x, batch_size=None, verbose="auto", **kwargs):
         self._require_built()
-        self._sync_replicas()
-        return self._refusing_recovery(lambda: super(PipelineModel, self).predict(
-            x, batch_size=batch_size, verbose=self._quiet(verbose), **kwargs))
+
+        def run():
+            self._sync_replicas()
+            return super(PipelineModel, self).predict(
+                x, batch_size=batch_size, verbose=self._quiet(verbose), **kwargs)
+
+        return self._refusing_recovery(run)
 
     # ---- the whole model: gather, save -----------------------------------------
 
