@@ -35,11 +35,11 @@ MaTEx promises for it (one check function per workload):
   (under ULFM it is 0 whatever the ranks did).
 
 What these runs found is kept as named deterministic tests at the end (2 ranks,
-a rank that SIGKILLs itself at the spot; ``xfail(strict=True)`` until MaTEx is
-fixed): a pipeline stage lost in ``PipelineModel``'s construction or as ``fit``
-starts, and a rank lost just before ``minimize`` builds its groups, end every
-survivor with a raw ``MPI_ERR_PROC_FAILED`` instead of ``RankFailure`` / a search
-that goes on.
+a rank that SIGKILLs itself at the spot): a pipeline stage lost in
+``PipelineModel``'s construction or as ``fit`` starts, and a rank lost just
+before ``minimize`` builds its groups, ended every survivor with a raw
+``MPI_ERR_PROC_FAILED`` instead of ``RankFailure`` / a search that goes on
+(fixed in 9529953; the tests were ``xfail(strict=True)`` until then).
 
 Switches: ``MATEX_CHAOS_RUNS`` (default 2, as ``make test`` runs it; a campaign
 sets 100), ``MATEX_CHAOS_WORKLOADS`` (comma-separated, default all, taken
@@ -327,12 +327,6 @@ def test_random_kill(tmp_path, tmp_path_factory, run, workload, victims, moment)
         raise
 
 
-@pytest.mark.xfail(strict=True, raises=AssertionError, reason=(
-    "MaTEx bug found by the chaos tier's pipeline workload: PipelineModel's set-up "
-    "collectives (construction's world.Dup in _Layout, fit's _agreed batch check, "
-    "_sync_replicas, the shuffling seed's bcast) run outside _refusing_recovery, so a "
-    "stage lost there ends every survivor with a raw mpi4py MPI_ERR_PROC_FAILED "
-    "traceback instead of RankFailure naming it"))
 @pytest.mark.parametrize("where", ["construct", "fit"])
 def test_a_stage_lost_before_training_ends_the_pipeline_naming_it(tmp_path, where):
     """Rank 1 of a 2-stage pipeline SIGKILLs itself just before ``PipelineModel(...)``
@@ -349,12 +343,6 @@ def test_a_stage_lost_before_training_ends_the_pipeline_naming_it(tmp_path, wher
     _check_pipeline(2, 256, nranks=2)(proc, results, [1], [1], None, proc.stderr[-3000:])
 
 
-@pytest.mark.xfail(strict=True, raises=AssertionError, reason=(
-    "MaTEx bug found by the chaos tier's search workload: minimize's (and a tuner's) "
-    "set-up builds its groups with a raw world.Dup (matex/_workgroups/groups.py "
-    "Groups.__init__, before that matex/hpo/_groups.py), outside any recovery, so a "
-    "rank lost before the groups exist ends every survivor with MPI_ERR_PROC_FAILED "
-    "instead of the search going on without it"))
 def test_a_rank_lost_as_the_search_starts_the_others_search(tmp_path):
     """Rank 1 of 2 SIGKILLs itself just before ``matex.hpo.minimize`` (random kills land
     there whenever a rank is still starting while the others already build the
