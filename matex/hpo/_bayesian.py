@@ -47,7 +47,12 @@ nothing). The fantasy is the GP's own mean there by default (kriging
 believer): the GP's uncertainty at a running trial collapses while its mean
 stays, so a group asking while three others run is sent elsewhere, but not
 away from a good region (a constant liar at the mean of the results did
-that: see ``_add_pending``). Trials that ended without a usable result
+that: see ``_add_pending``). Expected improvement is then measured from the
+best of the results and the fantasies, as the published kriging believer does
+(from the best result alone, a running trial believed better kept the spot
+beside it attractive; Hartmann-6 at 40 evaluations, 4 simulated workers, 20
+seeds: median -3.169 from the best result, -3.194 from both; mean -3.092,
+-3.157). Trials that ended without a usable result
 (failed, NaN, infinite) are fantasised the same way at the worst value seen,
 so the search does not go back to them (it had proposed a failing point
 17 times in a row).
