@@ -136,6 +136,11 @@ def _run(argv):
         return 2
     _quiet_tensorflow_startup()
     rank = _config.launched_rank()
+    if _config.ft_requested():
+        from matex import _faults
+
+        # MATEX_INJECT_FAULT=...,at=init: lost before it reports anything or MPI starts
+        _faults.maybe_fail(0, "init")
     if _config.status_dir():
         from matex import _status
 
@@ -143,10 +148,6 @@ def _run(argv):
     if rank != 0:
         sys.stdout = _Prefixed(sys.stdout, "[rank %d] " % rank) if all_ranks else open(
             os.devnull, "w")
-    if _config.ft_requested():
-        from matex import _faults
-
-        _faults.maybe_fail(0, "init")   # MATEX_INJECT_FAULT=...,at=init
     from matex import _resilience
 
     if _resilience.mode() == "ulfm":   # MPI has started

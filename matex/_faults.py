@@ -22,8 +22,8 @@ Fields of one fault (faults are separated by ``;``):
   rank 0's state; ``step`` is the optimizer step count then) or
   ``start`` (under ULFM, during MaTEx's start-up, after MPI is initialised and
   before the first collective; ``step`` must be 0) or ``init`` (under ULFM, in
-  ``python -m matex`` just before MPI is initialised: a rank lost while MPI
-  starts; ``step`` must be 0).
+  ``python -m matex`` before it reports to ``matexrun --ft`` or initialises
+  MPI: a rank lost while the job starts; ``step`` must be 0).
 
 A fault fires once.
 """

@@ -283,7 +283,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         if opts.dry_run:
             return 0
         if opts.ft:
-            return run_fault_tolerant(cmd, env, nranks, status_parent)
+            return run_fault_tolerant(cmd, env, nranks, status_parent,
+                                      one_host=not cluster_args)
         return run_with_restarts(cmd, nranks, env, opts.restart)
     finally:
         if tmpdir:

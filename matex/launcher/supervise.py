@@ -191,7 +191,7 @@ def run_captured(cmd: Sequence[str], env: Mapping[str, str] | None = None,
 
 
 def run_fault_tolerant(cmd: Sequence[str], env: Mapping[str, str], nranks: int,
-                       status_parent: str | None = None) -> int:
+                       status_parent: str | None = None, one_host: bool = False) -> int:
     """Run ``cmd`` (an mpiexec under ULFM) on ``nranks`` ranks; the job's exit status.
 
     The ranks find their status directory, created in ``status_parent``, in
@@ -206,13 +206,16 @@ def run_fault_tolerant(cmd: Sequence[str], env: Mapping[str, str], nranks: int,
     ``MPI_Init`` forever. When a rank on this host has died while no rank has
     MPI running yet (``report_ready``), nothing has been computed, so the job
     is ended and launched again on the ranks that are left (at most
-    ``INIT_RELAUNCHES`` times). A rank on another host lost that early is not
-    seen here (its process cannot be watched from this host).
+    ``INIT_RELAUNCHES`` times). The ranks' processes on this host are found by
+    their environment (``_job_ranks``); with ``one_host`` (every rank runs
+    here) a rank with no process is dead too, however early it died. A rank
+    on another host lost that early is not seen here.
     """
     retries = relaunches = 0
     cmd, env = list(cmd), dict(env)
     while True:
-        code, line, outcome = _run_fault_tolerant_once(cmd, env, nranks, status_parent)
+        code, line, outcome = _run_fault_tolerant_once(cmd, env, nranks, status_parent,
+                                                       one_host)
         if outcome == "failed to start" and retries < STARTUP_RETRIES:
             retries += 1
             _note_retry(retries)
@@ -242,22 +245,48 @@ INIT_DEATH_GRACE_S = 3.0
 INIT_RELAUNCHES = 3
 
 
-def _dead_local_ranks(status, directory):
-    """Ranks that started on this host, reported no end, and whose process is gone."""
+def _job_ranks(directory) -> dict[int, int]:
+    """{world rank: pid} of this job's live rank processes on this host (found by the
+    status directory in their environment: before they report anything)."""
+    wanted = ("%s=%s" % (STATUS_DIR_VAR, directory)).encode()
+    found = {}
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open("/proc/%s/environ" % entry, "rb") as environ:
+                names = environ.read().split(b"\0")
+        except OSError:
+            continue   # gone, or not ours to read
+        if wanted not in names:
+            continue
+        for name in names:
+            if name.startswith((b"OMPI_COMM_WORLD_RANK=", b"PMIX_RANK=")):
+                found[int(name.split(b"=", 1)[1])] = int(entry)
+                break
+    return found
+
+
+def _dead_local_ranks(status, directory, seen, nranks, one_host):
+    """Ranks of this host that reported no end and whose process is gone: seen alive
+    before (``seen``, updated here) or reported started; with ``one_host``, any rank."""
     here = socket.gethostname()
-    return sorted(r for r, (host, pid) in status.started.items()
-                  if host == here and r not in status.exited and r not in status.failed
-                  and not _is_our_rank(pid, directory))
+    alive = _job_ranks(directory)
+    seen.update(alive)
+    candidates = set(seen) | {r for r, (host, _) in status.started.items() if host == here}
+    if one_host and seen:   # (not before mpiexec has started any rank)
+        candidates = set(range(nranks))
+    return sorted(r for r in candidates
+                  if r not in alive and r not in status.exited and r not in status.failed)
 
 
 def _end_job(job, status, directory):
     """End mpiexec and every rank of the job still running on this host."""
-    for rank, (host, pid) in status.started.items():
-        if host == socket.gethostname() and _is_our_rank(pid, directory):
-            try:
-                os.kill(pid, signal.SIGKILL)
-            except OSError:
-                pass   # gone already
+    for pid in _job_ranks(directory).values():
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except OSError:
+            pass   # gone already
     job.proc.terminate()
     try:
         job.proc.wait(timeout=END_GRACE_S)
@@ -265,20 +294,20 @@ def _end_job(job, status, directory):
         job.proc.kill()
 
 
-def _run_fault_tolerant_once(cmd, env, nranks, status_parent):
+def _run_fault_tolerant_once(cmd, env, nranks, status_parent, one_host=False):
     """One launch under ``--ft``: (exit status, its line, outcome): outcome is None, "failed
     to start" (transient launcher failure) or the ranks that died before MPI started."""
     with status_directory(status_parent) as directory:
         job = _Mpiexec(cmd, {**env, STATUS_DIR_VAR: directory})
         proc = job.proc
-        settled, terminated, dying = None, False, None
+        settled, terminated, dying, seen = None, False, None, {}
         try:
             while proc.poll() is None:
                 time.sleep(POLL_S)
                 if settled is None:
                     status = read_status(directory)
                     if not status.ready and not status.exited:
-                        dead = _dead_local_ranks(status, directory)
+                        dead = _dead_local_ranks(status, directory, seen, nranks, one_host)
                         if not dead:
                             dying = None
                         elif dying is None:
