@@ -86,10 +86,13 @@ class Groups:
     def __init__(self, k: int, world=None):
         from mpi4py import MPI
 
+        launched = None
         for attempt in range(8):
             # A rank lost before the groups exist (ULFM): the survivors all see it
-            # (agreed), shrink the world as the recovery loop does, and group themselves.
+            # (agreed), shrink the world as the recovery loop does, and group themselves
+            # as a loss inside the work regroups them (``refresh``).
             self.world = world if world is not None else _runtime.comm()
+            launched = launched or (self.world.Get_rank(), self.world.Get_size())
             service = _dup_agreed(self.world)
             if service is not None or world is not None or attempt == 7:
                 break
@@ -98,9 +101,8 @@ class Groups:
             _resilience.recover()
         if service is None:
             raise MPI.Exception(MPI.ERR_PROC_FAILED)
-        self.size = self.world.Get_size()
+        self.world_rank, self.size = launched   # the groups as launched; refresh below
         self.k = check_group_size(k, self.size)
-        self.world_rank = self.world.Get_rank()
         self.count = self.size // self.k
         self.index = self.world_rank // self.k
         self._members = [list(range(g * self.k, (g + 1) * self.k)) for g in range(self.count)]
@@ -108,6 +110,8 @@ class Groups:
         self.service.Set_errhandler(MPI.ERRORS_RETURN)
         self.owner_rank = 0   # service rank owning the work (a survivor after a takeover)
         self._saved = None
+        if self.world.Get_size() != self.size:
+            self.refresh()   # ranks lost while the groups were made: the survivors' groups
 
     @property
     def owner(self) -> bool:
