@@ -339,20 +339,31 @@ def test_random_kill(tmp_path, tmp_path_factory, run, workload, victims, moment)
         raise
 
 
-@pytest.mark.parametrize("where", ["construct", "fit"])
+@pytest.mark.parametrize("where", ["start", "construct", "fit"])
 def test_a_stage_lost_before_training_ends_the_pipeline_naming_it(tmp_path, where):
-    """Rank 1 of a 2-stage pipeline SIGKILLs itself just before ``PipelineModel(...)``
-    (random kills land there whenever rank 1 is still starting while rank 0 already
-    builds the pipeline) or just before ``pm.fit``: rank 0 must end with ``RankFailure``
-    naming rank 1 (the promise of README's pipeline section), not a raw MPI error."""
+    """Rank 1 of a 3-stage pipeline on 3 ranks SIGKILLs itself during MaTEx's start-up
+    (MaTEx drops it, and the 2 left cannot lay out the 3 stages: they raised a
+    stage-count ValueError), or, of a 2-stage pipeline on 2 ranks, just before
+    ``PipelineModel(...)`` (random kills land there whenever rank 1 is still starting
+    while rank 0 already builds the pipeline) or just before ``pm.fit``: the others
+    must end with ``RankFailure`` naming rank 1 (the promise of README's pipeline
+    section), not a raw MPI error."""
     out = str(tmp_path / "r")
-    proc = mpitools.run_mpi(2, [sys.executable, "-m", "matex",
-                                str(SCRIPTS / "chaos_pipeline.py"), out, "2", "1:" + where],
-                            mpi_args=launch.ft_mpi_args(), timeout=300)
+    nranks, args, env = 2, [out, "2", "1:" + where], None
+    mpi_args = launch.ft_mpi_args()
+    if where == "start":
+        nranks, args = 3, [out, "2"]
+        env = dict(os.environ, MATEX_INJECT_FAULT="rank=1,step=0,kind=kill,at=start")
+        mpi_args = ["-x", "MATEX_INJECT_FAULT"] + mpi_args
+    proc = mpitools.run_mpi(nranks, [sys.executable, "-m", "matex",
+                                     str(SCRIPTS / "chaos_pipeline.py")] + args,
+                            mpi_args=mpi_args, env=env, timeout=300)
     results = _results(out)
-    assert sorted(results) == [0], (sorted(results), proc.stderr[-3000:])
-    assert results[0]["outcome"] == "RankFailure", results[0]
-    _check_pipeline(2, 256, nranks=2)(proc, results, [1], [1], None, proc.stderr[-3000:])
+    left = [r for r in range(nranks) if r != 1]
+    assert sorted(results) == left, (sorted(results), proc.stderr[-3000:])
+    assert {r["outcome"] for r in results.values()} == {"RankFailure"}, results
+    _check_pipeline(2, 256, nranks=nranks)(proc, results, [1], [1], None,
+                                           proc.stderr[-3000:])
 
 
 @pytest.mark.parametrize("per_trial", [1, 2], ids=["groups-of-1", "groups-of-2"])

@@ -153,6 +153,19 @@ class _SharedOrder:
         return ds.apply(tf.data.experimental.assert_cardinality(steps)).prefetch(2)
 
 
+def _lost_since_launch() -> list:
+    """World ranks launched but not in MaTEx's communicator (lost at start-up, ULFM)."""
+    from mpi4py import MPI
+
+    comm = _runtime.comm()
+    world = MPI.COMM_WORLD
+    if comm.Get_size() == world.Get_size():
+        return []
+    kept = MPI.Group.Translate_ranks(comm.Get_group(), list(range(comm.Get_size())),
+                                     world.Get_group())
+    return sorted(set(range(world.Get_size())) - set(kept))
+
+
 class PipelineModel(PipelineExecution, PipelineCheckpoints, keras.Model):
     """A Keras model split into pipeline stages, one per pipeline rank.
 
@@ -203,12 +216,25 @@ class PipelineModel(PipelineExecution, PipelineCheckpoints, keras.Model):
             check()
             return _stages.plan(model, stages, layout.pipeline_size, agree=None)
 
-        if isinstance(stages, (int, np.integer)) and not isinstance(stages, bool):
-            # balancing measures time: rank 0 decides, everyone follows
-            _agreed(layout.control, check)
-            plan = _stages.plan(model, stages, layout.pipeline_size, agree=layout.control)
-        else:
-            plan = _agreed(layout.control, prepare)
+        try:
+            if isinstance(stages, (int, np.integer)) and not isinstance(stages, bool):
+                # balancing measures time: rank 0 decides, everyone follows
+                _agreed(layout.control, check)
+                plan = _stages.plan(model, stages, layout.pipeline_size, agree=layout.control)
+            else:
+                plan = _agreed(layout.control, prepare)
+        except ValueError as exc:
+            lost = _lost_since_launch()
+            if not lost:
+                raise
+            from matex.errors import RankFailure
+
+            # a model written for the ranks launched, some lost before the first collective
+            raise RankFailure(
+                "matex.parallel: rank(s) %s of this pipeline failed as the job started, and "
+                "the pipeline cannot be laid out on the %d left (%s). Relaunch it (matexrun "
+                "--ft relaunches a job whose rank died while MPI started)."
+                % (", ".join(map(str, lost)), layout.pipeline_size, exc)) from exc
         self.microbatches = int(microbatches)
         self.schedule = schedule
         self.plan = plan
@@ -355,6 +381,8 @@ class PipelineModel(PipelineExecution, PipelineCheckpoints, keras.Model):
 
         try:
             return call()
+        except RankFailure:
+            raise   # named already (a rank lost as the job started)
         except Exception as exc:  # noqa: BLE001 - classified right below
             if not _resilience.is_failure(exc):
                 raise
