@@ -29,7 +29,7 @@ demo: ops
 
 test: ops
 	$(PY) -m ruff check .
-	$(PY) -m pytest -q tests
+	$(PY) -m pytest -q --durations=25 tests
 
 bench: ops
 	$(PY) benchmarks/allreduce.py
