@@ -112,6 +112,16 @@ def inject_fault_spec() -> str:
 STATUS_DIR_VAR = "MATEX_STATUS_DIR"
 
 
+RELAUNCHED_FROM_VAR = "MATEX_RELAUNCHED_FROM"
+
+
+def relaunched_from() -> int | None:
+    """The rank count ``matexrun --ft`` first launched this job with, when it relaunched
+    it on fewer ranks (a rank died while MPI started); None otherwise."""
+    text = _get(RELAUNCHED_FROM_VAR).strip()
+    return int(text) if text.isdigit() else None
+
+
 def status_dir(env=None):
     """``MATEX_STATUS_DIR`` (of ``env``, default the process's): where a failing rank
     leaves its status for the launcher (``matex._status``), or None."""

@@ -390,3 +390,22 @@ def test_a_rank_lost_as_the_search_starts_the_others_search(tmp_path, per_trial)
     results = _results(out)
     assert sorted(results) == [0], (sorted(results), proc.stderr[-3000:])
     _check_search(4, nranks=2)(proc, results, [1], [1], None, proc.stderr[-3000:])
+
+
+def test_a_search_relaunched_on_fewer_ranks_keeps_its_groups(tmp_path):
+    """Rank 1 of 4 dies before MPI starts; matexrun --ft relaunches the search on 3
+    ranks. With 2 ranks per trial the 3 left used to fail 'ranks per trial (2) does not
+    divide the number of ranks (3)' on every rank (campaign seed 14, run 52); now the
+    groups are made for the 4 launched (the missing rank a lost member), and the
+    search runs all its trials."""
+    out = str(tmp_path / "r")
+    matexrun = os.path.join(os.path.dirname(sys.executable), "matexrun")
+    proc = subprocess.run([matexrun, "--ft", "--inject-fault", "rank=1,step=0,kind=kill,at=init",
+                           "-n", str(NRANKS), str(SCRIPTS / "chaos_search.py"), out, "4", "2"],
+                          capture_output=True, text=True, timeout=300,
+                          env=dict(launch.launch_env(), TF_CPP_MIN_LOG_LEVEL="2"))
+    assert "relaunching the job on 3 rank(s)" in proc.stderr, proc.stderr[-3000:]
+    proc.matex_out = out
+    results = _results(out)
+    assert sorted(results) == [0, 1, 2], (sorted(results), proc.stderr[-3000:])
+    _check_search(4, nranks=3)(proc, results, [], [], None, proc.stderr[-3000:])

@@ -40,6 +40,23 @@ def check_group_size(k: Any, size: int, argument: str = "ranks per group",
     return k
 
 
+def as_launched(size: int) -> int:
+    """The rank count groups are made for: ``size``, or the count ``matexrun --ft`` first
+    launched the job with when it relaunched it on fewer ranks (a rank died while MPI
+    started); the ranks missing are then lost ranks of those groups (``refresh``)."""
+    from matex import _config
+
+    first = _config.relaunched_from()
+    return first if first is not None and first > size and world_is_launch(size) else size
+
+
+def world_is_launch(size: int) -> bool:
+    """Whether ``size`` is the whole job as (re)launched (not a shrink after it)."""
+    from mpi4py import MPI
+
+    return size == MPI.COMM_WORLD.Get_size()
+
+
 def _dup_agreed(world):
     """A duplicate of ``world``, or None on every rank when a rank failed meanwhile (ULFM).
 
@@ -92,7 +109,7 @@ class Groups:
             # (agreed), shrink the world as the recovery loop does, and group themselves
             # as a loss inside the work regroups them (``refresh``).
             self.world = world if world is not None else _runtime.comm()
-            launched = launched or (self.world.Get_rank(), self.world.Get_size())
+            launched = launched or (self.world.Get_rank(), as_launched(self.world.Get_size()))
             service = _dup_agreed(self.world)
             if service is not None or world is not None or attempt == 7:
                 break

@@ -13,7 +13,7 @@ from __future__ import annotations
 from typing import Any
 
 from matex import _runtime
-from matex._workgroups.groups import Groups, check_group_size
+from matex._workgroups.groups import Groups, as_launched, check_group_size
 
 
 def check_ranks_per_trial(k: Any, size: int) -> int:
@@ -30,7 +30,8 @@ class TrialGroups(Groups):
     """
 
     def __init__(self, k: int, world=None):
-        check_ranks_per_trial(k, (world if world is not None else _runtime.comm()).Get_size())
+        check_ranks_per_trial(k, as_launched(
+            (world if world is not None else _runtime.comm()).Get_size()))
         super().__init__(k, world)   # world None: the survivors', if a rank is lost meanwhile
 
     def _entering(self) -> None:

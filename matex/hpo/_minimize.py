@@ -93,9 +93,10 @@ def minimize(fn: Callable, space, oracle="lazy-gp", max_trials: int = 40,
         raise ValueError("max_trials must be a whole number >= 1, not %r" % (max_trials,))
     _tuner.install()
     comm = _runtime.comm()
+    from matex._workgroups.groups import as_launched
     from matex.hpo._groups import check_ranks_per_trial
 
-    check_ranks_per_trial(ranks_per_trial, comm.Get_size())
+    check_ranks_per_trial(ranks_per_trial, as_launched(comm.Get_size()))
     if directory is None:
         from matex._everywhere import on_root
 

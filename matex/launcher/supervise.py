@@ -24,7 +24,7 @@ import threading
 import time
 from collections.abc import Iterator, Mapping, Sequence
 
-from matex._config import STATUS_DIR_VAR
+from matex._config import RELAUNCHED_FROM_VAR, STATUS_DIR_VAR
 from matex.launcher.mpiexec import STARTUP_RETRIES, startup_failed
 from matex._status import (failed_ranks, read_status,  # noqa: F401 - re-exported
                            report_failure)
@@ -212,7 +212,7 @@ def run_fault_tolerant(cmd: Sequence[str], env: Mapping[str, str], nranks: int,
     on another host lost that early is not seen here.
     """
     retries = relaunches = 0
-    cmd, env = list(cmd), dict(env)
+    cmd, env, launched = list(cmd), dict(env), nranks
     while True:
         code, line, outcome = _run_fault_tolerant_once(cmd, env, nranks, status_parent,
                                                        one_host)
@@ -226,6 +226,11 @@ def run_fault_tolerant(cmd: Sequence[str], env: Mapping[str, str], nranks: int,
             nranks -= len(outcome)
             cmd[cmd.index("-n") + 1] = str(nranks)
             env["MATEX_INJECT_FAULT"] = ""   # injected faults fire in the first run only
+            if RELAUNCHED_FROM_VAR not in env:
+                # the ranks as first launched: rank groups (a search's) are made as launched
+                env[RELAUNCHED_FROM_VAR] = str(launched)
+                at = cmd.index("-n") + 2
+                cmd[at:at] = ["-x", RELAUNCHED_FROM_VAR]
             print("matexrun: rank(s) %s died while MPI was starting, before any rank could "
                   "compute (ULFM recovers from a lost rank only once MPI has started); "
                   "relaunching the job on %d rank(s) (%d of %d)"
