@@ -23,7 +23,9 @@ Fields of one fault (faults are separated by ``;``):
   ``start`` (under ULFM, during MaTEx's start-up, after MPI is initialised and
   before the first collective; ``step`` must be 0) or ``init`` (under ULFM, in
   ``python -m matex`` before it reports to ``matexrun --ft`` or initialises
-  MPI: a rank lost while the job starts; ``step`` must be 0).
+  MPI: a rank lost while the job starts; ``step`` must be 0) or ``seed`` (in
+  ``python -m matex`` after MaTEx started, as the script's random seed is
+  shared; ``step`` must be 0).
 
 A fault fires once.
 """
@@ -34,7 +36,8 @@ import signal
 from matex import _config
 
 KINDS = ("kill", "exception", "hang")
-PLACES = ("allreduce", "begin", "evaluate", "checkpoint", "start", "fit", "build", "init")
+PLACES = ("allreduce", "begin", "evaluate", "checkpoint", "start", "fit", "build", "init",
+          "seed")
 
 
 class InjectedFault(RuntimeError):

@@ -35,7 +35,8 @@ import time
 import traceback
 
 from matex import _config, _runtime
-from matex.errors import MismatchError, _failure_classes, is_rank_failure, mpi_error_class
+from matex.errors import (MismatchError, RankFailure, _failure_classes, is_rank_failure,
+                          mpi_error_class)
 
 _listeners = []
 
@@ -192,6 +193,43 @@ def recover():
         comm.Free()
     _runtime._set_comm(new)
     return RankLoss(lost, old_size, new.Get_size(), started, time.time() - started)
+
+
+def uniformly(make, comm=None, attempts: int = 5):
+    """``make(c)``, a collective over ``c = comm()`` (default MaTEx's control
+    communicator), with one outcome on every survivor: for collectives outside
+    any recovery loop (start-up).
+
+    Under ULFM a collective can succeed on some ranks and fail on others; an
+    agreement on the outcome makes every survivor take the same branch, and
+    after a failure they all recover (``recover``) and call ``make`` again on
+    the survivors' communicator. Without ULFM it is ``make(c)``.
+    """
+    from mpi4py import MPI
+
+    get = comm or _runtime.control
+    if mode() != "ulfm":
+        return make(get())
+    for attempt in range(attempts):
+        c, ok, result = get(), 1, None
+        try:
+            result = make(c)
+        except MPI.Exception as exc:
+            if not is_failure(exc):
+                raise
+            ok = 0
+        try:
+            ok = c.Agree(ok)
+        except MPI.Exception as exc:
+            if not is_failure(exc):
+                raise
+            ok = 0   # the agreement reports the failure alike on every survivor
+        if ok:
+            return result
+        if attempt == attempts - 1:
+            raise RankFailure("matex: ranks kept failing during start-up (%d attempts)"
+                              % attempts)
+        recover()
 
 
 def _dump_flight():

@@ -133,8 +133,20 @@ def seed_script_rngs():
         return None
     import numpy as np
 
-    fresh = int(np.random.SeedSequence().entropy % (2 ** 31 - 1)) if comm.Get_rank() == 0 else None
-    _seed = comm.bcast(fresh, root=0)
+    from matex import _resilience
+
+    def share(c):
+        fresh = int(np.random.SeedSequence().entropy % (2 ** 31 - 1)) if c.Get_rank() == 0 \
+            else None
+        return c.bcast(fresh, root=0)
+
+    # at start-up, outside any recovery loop: a rank lost meanwhile must not end the others
+    if _config.ft_requested():
+        from matex import _faults
+
+        _faults.maybe_fail(0, "seed")
+    _seed = _resilience.uniformly(share)
+    comm = _runtime.control()
     random.seed(_seed)
     np.random.seed(_seed)
     after_import("tensorflow", _seed_tensorflow)

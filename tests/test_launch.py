@@ -262,6 +262,19 @@ def test_matexrun_ft_relaunches_a_job_whose_rank_died_while_mpi_started(tmp_path
     assert sorted(out.splitlines()) == ["[rank 1] rank 1 sum 2.0", "rank 0 sum 2.0"]
 
 
+@pytest.mark.ulfm
+def test_a_rank_lost_as_the_scripts_seed_is_shared_leaves_the_others_running(tmp_path):
+    # Rank 1 dies after MaTEx started, as `python -m matex` shares the script's seed:
+    # that bcast ran outside any recovery loop, and ranks 1 and 2 of 4 died with
+    # MPI_ERR_PROC_FAILED (chaos campaign seed 14, run 75). Now agreed and redone.
+    script = tmp_path / "kill.py"
+    script.write_text(KILL_SCRIPT)
+    rc, out, err = _matexrun_ft(tmp_path, ["--inject-fault", "rank=1,step=0,kind=kill,at=seed",
+                                           "-n", "3", str(script), "ok"], timeout=180)
+    assert rc == 0, err[-3000:]
+    assert sorted(out.splitlines()) == ["[rank 2] rank 2 sum 2.0", "rank 0 sum 2.0"], err[-3000:]
+
+
 def test_matexrun_ft_ends_a_rank_that_hangs_at_start(tmp_path):
     # Rank 1 stops itself (SIGSTOP) during start-up; the failure detector lets
     # the others exclude it and finish; matexrun then ends it and exits 0
