@@ -183,7 +183,10 @@ def _check_pipeline(epochs, rows, nranks=NRANKS):
         # relaunched by matexrun on the ranks left (a kill while MPI started): another,
         # smaller pipeline (one stage per rank), whose ranks must agree with each other
         smaller = bool(finished) and finished[0]["size"] == len(others) < nranks
-        reference = finished[0] if smaller or not free else free[0]
+        if smaller or not free:
+            reference = finished[0] if finished else None   # (None: no rank finished)
+        else:
+            reference = free[0]
         for rank, r in results.items():
             if r["outcome"] == "RankFailure":
                 if rank not in others:
