@@ -245,34 +245,32 @@ def test_matexrun_ft_exit_status_is_the_survivors_verdict(tmp_path, mode, code):
         assert sorted(out.splitlines()) == ["[rank 1] rank 1 sum 3.0", "[rank 2] rank 2 sum 3.0"]
 
 
-@pytest.mark.ulfm
-def test_matexrun_ft_relaunches_a_job_whose_rank_died_while_mpi_started(tmp_path):
-    # Rank 1 SIGKILLs itself just before MPI_Init. ULFM cannot recover there:
-    # the others waited inside MPI_Init forever (the chaos tier's seed 11, run 6,
-    # rank 0 killed 2 s after start, hung 400 s). Nothing was computed, so
-    # matexrun ends the job and launches it again on the 2 ranks left.
-    script = tmp_path / "kill.py"
-    script.write_text(KILL_SCRIPT)
-    rc, out, err = _matexrun_ft(tmp_path, ["--inject-fault", "rank=1,step=0,kind=kill,at=init",
-                                           "-n", "3", str(script), "ok"], timeout=180)
-    assert rc == 0, err[-3000:]
-    assert ("matexrun: rank(s) 1 died while MPI was starting, before any rank could compute "
-            "(ULFM recovers from a lost rank only once MPI has started); relaunching the job "
-            "on 2 rank(s) (1 of 3)") in err.splitlines(), err[-3000:]
-    assert sorted(out.splitlines()) == ["[rank 1] rank 1 sum 2.0", "rank 0 sum 2.0"]
+RELAUNCHED = ("matexrun: rank(s) 1 died while MPI was starting, before any rank could compute "
+              "(ULFM recovers from a lost rank only once MPI has started); relaunching the job "
+              "on 2 rank(s) (1 of 3)")
 
 
 @pytest.mark.ulfm
-def test_a_rank_lost_as_the_scripts_seed_is_shared_leaves_the_others_running(tmp_path):
-    # Rank 1 dies after MaTEx started, as `python -m matex` shares the script's seed:
-    # that bcast ran outside any recovery loop, and ranks 1 and 2 of 4 died with
-    # MPI_ERR_PROC_FAILED (chaos campaign seed 14, run 75). Now agreed and redone.
+@pytest.mark.parametrize("place,relaunched,survivors", [
+    # Rank 1 SIGKILLs itself before MPI_Init. ULFM cannot recover there: the others
+    # waited inside MPI_Init forever (chaos seed 11, run 6: rank 0 killed 2 s after
+    # start, hung 400 s). Nothing was computed: matexrun relaunches on the 2 left.
+    ("init", True, ["[rank 1] rank 1 sum 2.0", "rank 0 sum 2.0"]),
+    # Rank 1 dies as `python -m matex` shares the script's seed: that bcast ran outside
+    # any recovery loop, and ranks 1 and 2 of 4 died with MPI_ERR_PROC_FAILED (chaos
+    # seed 14, run 75). Now agreed and redone on the survivors.
+    ("seed", False, ["[rank 2] rank 2 sum 2.0", "rank 0 sum 2.0"]),
+], ids=["relaunched-when-lost-before-mpi-started", "seed-shared-without-the-lost-rank"])
+def test_matexrun_ft_survives_a_rank_lost_as_the_job_starts(tmp_path, place, relaunched,
+                                                            survivors):
     script = tmp_path / "kill.py"
     script.write_text(KILL_SCRIPT)
-    rc, out, err = _matexrun_ft(tmp_path, ["--inject-fault", "rank=1,step=0,kind=kill,at=seed",
+    rc, out, err = _matexrun_ft(tmp_path, ["--inject-fault",
+                                           "rank=1,step=0,kind=kill,at=%s" % place,
                                            "-n", "3", str(script), "ok"], timeout=180)
     assert rc == 0, err[-3000:]
-    assert sorted(out.splitlines()) == ["[rank 2] rank 2 sum 2.0", "rank 0 sum 2.0"], err[-3000:]
+    assert (RELAUNCHED in err.splitlines()) == relaunched, err[-3000:]
+    assert sorted(out.splitlines()) == survivors, err[-3000:]
 
 
 def test_matexrun_ft_ends_a_rank_that_hangs_at_start(tmp_path):
