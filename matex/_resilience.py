@@ -195,7 +195,7 @@ def recover():
     return RankLoss(lost, old_size, new.Get_size(), started, time.time() - started)
 
 
-def uniformly(make, comm=None, attempts: int = 5):
+def uniformly(make, comm=None, attempts: int = 5, discard=None):
     """``make(c)``, a collective over ``c = comm()`` (default MaTEx's control
     communicator), with one outcome on every survivor: for collectives outside
     any recovery loop (start-up).
@@ -203,7 +203,9 @@ def uniformly(make, comm=None, attempts: int = 5):
     Under ULFM a collective can succeed on some ranks and fail on others; an
     agreement on the outcome makes every survivor take the same branch, and
     after a failure they all recover (``recover``) and call ``make`` again on
-    the survivors' communicator. Without ULFM it is ``make(c)``.
+    the survivors' communicator. ``discard(result)`` releases what ``make``
+    made on a rank where it succeeded while another failed (e.g. a ``Dup``).
+    Without ULFM it is ``make(c)``.
     """
     from mpi4py import MPI
 
@@ -226,6 +228,11 @@ def uniformly(make, comm=None, attempts: int = 5):
             ok = 0   # the agreement reports the failure alike on every survivor
         if ok:
             return result
+        if result is not None and discard is not None:
+            try:
+                discard(result)
+            except MPI.Exception:
+                pass   # left unusable by the failure: nothing to release
         if attempt == attempts - 1:
             raise RankFailure("matex: ranks kept failing during start-up (%d attempts)"
                               % attempts)

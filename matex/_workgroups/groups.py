@@ -57,42 +57,6 @@ def world_is_launch(size: int) -> bool:
     return size == MPI.COMM_WORLD.Get_size()
 
 
-def _dup_agreed(world):
-    """A duplicate of ``world``, or None on every rank when a rank failed meanwhile (ULFM).
-
-    A collective can fail on some ranks and succeed on others; an agreement on
-    the outcome makes every survivor take the same branch. Without ULFM a
-    failure propagates.
-    """
-    from mpi4py import MPI
-
-    from matex import _resilience
-
-    if _runtime.ft_mode() != "ulfm":
-        return world.Dup()
-    service, ok = None, 1
-    try:
-        service = world.Dup()
-    except MPI.Exception as exc:
-        if not _resilience.is_failure(exc):
-            raise
-        ok = 0
-    try:
-        ok = world.Agree(ok)
-    except MPI.Exception as exc:
-        if not _resilience.is_failure(exc):
-            raise
-        ok = 0   # the agreement itself reports the failure, alike on every survivor
-    if ok:
-        return service
-    if service is not None:
-        try:
-            service.Free()
-        except MPI.Exception:
-            pass
-    return None
-
-
 class Groups:
     """This rank's place among groups of ``k`` ranks (collective over ``world`` to build).
 
@@ -103,21 +67,18 @@ class Groups:
     def __init__(self, k: int, world=None):
         from mpi4py import MPI
 
-        launched = None
-        for attempt in range(8):
-            # A rank lost before the groups exist (ULFM): the survivors all see it
-            # (agreed), shrink the world as the recovery loop does, and group themselves
-            # as a loss inside the work regroups them (``refresh``).
-            self.world = world if world is not None else _runtime.comm()
-            launched = launched or (self.world.Get_rank(), as_launched(self.world.Get_size()))
-            service = _dup_agreed(self.world)
-            if service is not None or world is not None or attempt == 7:
-                break
-            from matex import _resilience
+        from matex import _resilience
 
-            _resilience.recover()
-        if service is None:
-            raise MPI.Exception(MPI.ERR_PROC_FAILED)
+        # A rank lost before the groups exist (ULFM): the survivors all see it (an
+        # agreed outcome), shrink the world as the recovery loop does, and group
+        # themselves as a loss inside the work regroups them (``refresh``). A world
+        # given by the caller is not replaced: a loss there is one error everywhere.
+        first = world if world is not None else _runtime.comm()
+        launched = (first.Get_rank(), as_launched(first.Get_size()))
+        service = _resilience.uniformly(
+            lambda c: c.Dup(), comm=(lambda: world) if world is not None else _runtime.comm,
+            attempts=1 if world is not None else 8, discard=lambda c: c.Free())
+        self.world = world if world is not None else _runtime.comm()
         self.world_rank, self.size = launched   # the groups as launched; refresh below
         self.k = check_group_size(k, self.size)
         self.count = self.size // self.k
