@@ -17,16 +17,21 @@ from matex._workgroups.service import Server
 from matex.hpo import _service, _tuner
 
 
-@pytest.fixture
-def handler(tmp_path):
+def _make_handler(tmp_path, max_trials=3, groups=1):
     _tuner.install()   # Keras Tuner's JSON writer goes through write_atomically
     space = kt.HyperParameters()
     space.Float("x", 0.0, 1.0)
-    oracle = kt.oracles.RandomSearchOracle(objective=kt.Objective("value", "min"), max_trials=3,
-                                           seed=0, hyperparameters=space)
+    oracle = kt.oracles.RandomSearchOracle(objective=kt.Objective("value", "min"),
+                                           max_trials=max_trials, seed=0, hyperparameters=space)
     oracle._set_project_dir(str(tmp_path), "p")
     oracle._display.verbose = 0
-    return _service.Handler(oracle, lambda i: os.path.join(str(tmp_path), "p", "trial_" + i), 1)
+    return _service.Handler(oracle, lambda i: os.path.join(str(tmp_path), "p", "trial_" + i),
+                            groups)
+
+
+@pytest.fixture
+def handler(tmp_path):
+    return _make_handler(tmp_path)
 
 
 @pytest.fixture
@@ -222,19 +227,12 @@ def test_a_request_from_a_group_already_lost_gets_no_trial(tmp_path):
     """ULFM race: a rank sends ``create_trial`` and dies before the owner reads it; the owner
     has meanwhile seen its group lose every rank. No trial is created for it (one would stay
     RUNNING for ever, with no group to run it), and the group stays lost."""
-    _tuner.install()
-    space = kt.HyperParameters()
-    space.Float("x", 0.0, 1.0)
-    oracle = kt.oracles.RandomSearchOracle(objective=kt.Objective("value", "min"), max_trials=9,
-                                           seed=0, hyperparameters=space)
-    oracle._set_project_dir(str(tmp_path), "p")
-    oracle._display.verbose = 0
-    handler = _service.Handler(oracle, lambda i: os.path.join(str(tmp_path), "p", "trial_" + i), 2)
+    handler = _make_handler(tmp_path, max_trials=9, groups=2)
     running = handler("create_trial", ("matex-group-0",))
     handler.requeue(["matex-group-1"])   # the server saw every rank of group 1 fail
     late = handler("create_trial", ("matex-group-1",))
     assert late["status"] == "STOPPED" and handler.fatal is None
-    assert list(oracle.ongoing_trials) == ["matex-group-0"]
+    assert list(handler.oracle.ongoing_trials) == ["matex-group-0"]
     assert handler.stopped == {"matex-group-1"} and handler.work["matex-group-1"].state == "lost"
     assert handler("finish", ("matex-group-1", 3)) is False   # group 0 still runs a trial
     running["status"] = "COMPLETED"
