@@ -64,7 +64,7 @@ def mark_sharded(dataset: tf.data.Dataset) -> tf.data.Dataset:
     return dataset.with_options(options)
 
 
-def is_sharded(x) -> bool:
+def is_sharded(x: object) -> bool:
     """Whether ``x`` already holds this rank's share: ``matex.shard``'s or a reader's output.
 
     True for a ``tf.data.Dataset`` any of whose inputs was marked by

@@ -6,7 +6,10 @@ program, hence issues the same collectives in the same order, whatever order
 the executor would otherwise pick. Eagerly, ops run in Python order.
 """
 
+from __future__ import annotations
+
 import weakref
+from typing import Iterable
 
 import tensorflow as tf
 
@@ -76,7 +79,8 @@ def _check_op(op):
 
 
 @_run_as_is
-def allreduce(tensor, op="average", name=None, comm=0):
+def allreduce(tensor: tf.Tensor, op: str = "average", name: str | None = None,
+              comm: int = 0) -> tf.Tensor:
     """Reduce ``tensor`` over all ranks; every rank gets the result.
 
     Args:
@@ -108,14 +112,15 @@ def grouped_allreduce(tensors, op="average", name=None, comm=0):
 
 
 @_run_as_is
-def broadcast(tensor, root=0, name=None, comm=0):
+def broadcast(tensor: tf.Tensor, root: int = 0, name: str | None = None,
+              comm: int = 0) -> tf.Tensor:
     """Return rank ``root``'s ``tensor`` on every rank (same shape on all ranks)."""
     tensor = _as_tensor(tensor, "broadcast")
     return _issue(_ops().matex_broadcast, tensor, root=int(root), comm=int(comm), name=name)
 
 
 @_run_as_is
-def allgather(tensor, name=None, comm=0):
+def allgather(tensor: tf.Tensor, name: str | None = None, comm: int = 0) -> tf.Tensor:
     """Concatenate every rank's ``tensor`` along axis 0, in rank order.
 
     First dimensions may differ between ranks; the other dimensions must agree.
@@ -131,7 +136,7 @@ def comm_info(comm=0):
 
 
 @_run_as_is
-def broadcast_variables(variables, root=0, comm=0):
+def broadcast_variables(variables: Iterable[tf.Variable], root: int = 0, comm: int = 0) -> None:
     """Assign rank ``root``'s value to each variable, on every rank."""
     for v in variables:
         v.assign(broadcast(v, root, comm=comm))

@@ -36,9 +36,15 @@ every rank issues them in the same order, which the stateful ops guarantee
 inside a traced step (program order).
 """
 
+from __future__ import annotations
+
 import atexit
+from typing import TYPE_CHECKING
 
 import tensorflow as tf
+
+if TYPE_CHECKING:
+    import keras
 
 from matex import _collectives, _commit, _recovery, _stats
 from matex.compression._reduce import _name
@@ -192,7 +198,7 @@ class Delayed:
         _ops().matex_iallreduce_drop(complete=True)
 
 
-def flush(optimizer) -> bool:
+def flush(optimizer: keras.optimizers.Optimizer) -> bool:
     """Apply the gradient a ``delay=1`` optimizer still has in flight; call on every rank.
 
     At the end of training the last step's averaged gradient has not been

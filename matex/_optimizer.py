@@ -16,15 +16,22 @@ forward, backward and metrics stay XLA-compiled; the gradients leave the XLA
 cluster, are reduced, and are applied outside it (``_split_xla_step``).
 """
 
+from __future__ import annotations
+
 import threading
 
-from typing import Optional
+from typing import TYPE_CHECKING, Optional
 
 import tensorflow as tf
 
 from matex import _collectives, _commit, _compat, _faults, _recovery
 from matex.compression import _spec as _compression
 from matex.compression import _reduce
+
+if TYPE_CHECKING:
+    import keras
+
+    from matex.compression import Compressor
 
 _classes = {}
 _classes_lock = threading.Lock()
@@ -250,9 +257,11 @@ def is_reduced_by_wrapper(optimizer):
     return getattr(optimizer, "_matex_reduced_by_wrapper", False)
 
 
-def DistributedOptimizer(optimizer, op: Optional[str] = None,
-                         fusion_threshold: Optional[int] = None, compression=None,
-                         delay: Optional[int] = None):
+def DistributedOptimizer(optimizer: keras.optimizers.Optimizer | type | str,
+                         op: Optional[str] = None,
+                         fusion_threshold: Optional[int] = None,
+                         compression: Compressor | str | None = None,
+                         delay: Optional[int] = None) -> keras.optimizers.Optimizer:
     """Make a Keras 3 optimizer average gradients over all ranks before updating.
 
     Args:

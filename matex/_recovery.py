@@ -36,8 +36,14 @@ builds every update all-or-nothing, its step counter moving with it, and
 one to undo.
 """
 
+from __future__ import annotations
+
 import time
-from typing import Any, Callable, List
+from typing import TYPE_CHECKING, Any, Callable, Iterable, List
+
+if TYPE_CHECKING:
+    import keras
+    import tensorflow as tf
 
 import numpy as np
 
@@ -218,7 +224,9 @@ def run(body, states, on_recovered=None, callbacks=()):
         _resilience.notify(info, callbacks)
 
 
-def run_resilient(step, num_steps, variables, optimizer, undo_on_redo=()):
+def run_resilient(step: Callable[[int], Any], num_steps: int, variables: Iterable[tf.Variable],
+                  optimizer: keras.optimizers.Optimizer,
+                  undo_on_redo: Iterable[tf.Variable] = ()) -> int:
     """Run a custom training loop that survives rank failures (under ULFM).
 
     Calls ``step(i)`` for every step ``i`` not yet committed, up to

@@ -28,11 +28,14 @@ reports "none" and a failure ends the job (checkpoint/restart fallback:
 ``matexrun --restart``).
 """
 
+from __future__ import annotations
+
 import hashlib
 import os
 import sys
 import time
 import traceback
+from typing import Any, Callable
 
 from matex import _config, _runtime
 from matex.errors import (MismatchError, RankFailure, _failure_classes, is_rank_failure,
@@ -116,7 +119,7 @@ def describe_mode():
             "failure ends the job; use matexrun --ft, or matexrun --restart N")
 
 
-def on_rank_loss(function):
+def on_rank_loss(function: Callable[[Any], Any]) -> Callable[[Any], Any]:
     """Call ``function(info)`` on every survivor after each recovery from lost ranks.
 
     ``info`` has ``lost`` (their ranks in the old communicator), ``old_size``,

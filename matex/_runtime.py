@@ -12,12 +12,18 @@ Two communicators over the same ranks are kept apart:
   never match a data collective issued by another thread.
 """
 
+from __future__ import annotations
+
 import os
 import sys
 import threading
 import time
+from typing import TYPE_CHECKING
 
 from matex import _config
+
+if TYPE_CHECKING:
+    from mpi4py import MPI
 
 _lock = threading.RLock()
 
@@ -54,7 +60,7 @@ def ft_mode():
 
 
 @_run_as_is
-def init(comm=None):
+def init(comm: MPI.Intracomm | None = None) -> None:
     """Start MaTEx on ``comm`` (default: a duplicate of ``MPI.COMM_WORLD``).
 
     Idempotent: later calls without ``comm`` do nothing. Every public function
@@ -369,7 +375,7 @@ def on_core_ready(hook):
 
 
 @_run_as_is
-def comm():
+def comm() -> MPI.Intracomm:
     """The mpi4py communicator MaTEx currently uses (it may be replaced after a failure)."""
     init()
     return _comm
@@ -382,26 +388,26 @@ def control():
 
 
 @_run_as_is
-def rank():
+def rank() -> int:
     """This process's rank in the current communicator."""
     return comm().Get_rank()
 
 
 @_run_as_is
-def size():
+def size() -> int:
     """Number of ranks in the current communicator."""
     return comm().Get_size()
 
 
 @_run_as_is
-def local_rank():
+def local_rank() -> int:
     """This process's rank among the ranks on the same node."""
     init()
     return _local.Get_rank()
 
 
 @_run_as_is
-def local_size():
+def local_size() -> int:
     """Number of ranks on this node."""
     init()
     return _local.Get_size()

@@ -16,6 +16,8 @@ with ``benchmarks/sparse_allreduce.py`` (see there and README "Communicating
 less").
 """
 
+from __future__ import annotations
+
 import math
 
 import tensorflow as tf
@@ -89,7 +91,9 @@ def exchange(indices, values, dense_rows, density_threshold=None, comm=0):
 
 
 @_run_as_is
-def sparse_allreduce(indices, values, dense_shape, density_threshold=None, op="sum", comm=0):
+def sparse_allreduce(indices: tf.Tensor, values: tf.Tensor, dense_shape: tf.TensorShape | list,
+                     density_threshold: float | None = None, op: str = "sum",
+                     comm: int = 0) -> tf.Tensor | tf.IndexedSlices:
     """Sum (or average) over ranks of the row-sparse tensors given as (indices, values).
 
     Args:

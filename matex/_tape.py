@@ -1,9 +1,16 @@
 """DistributedGradientTape: a GradientTape whose gradients are averaged over ranks."""
 
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
 import tensorflow as tf
 
 from matex.compression import _spec as _compression
 from matex.compression import _reduce
+
+if TYPE_CHECKING:
+    from matex.compression import Compressor
 
 _classes = {}
 
@@ -21,7 +28,9 @@ class _DistributedTapeMixin:
         return tf.nest.pack_sequence_as(grads, reduced)
 
 
-def DistributedGradientTape(tape, op="average", fusion_threshold=None, compression=None):
+def DistributedGradientTape(tape: tf.GradientTape, op: str = "average",
+                            fusion_threshold: int | None = None,
+                            compression: Compressor | str | None = None) -> tf.GradientTape:
     """Make ``tape.gradient`` return gradients reduced over all ranks.
 
     Args:

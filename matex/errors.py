@@ -10,6 +10,8 @@ collective to run get a payload too: ``is_mismatch``. Nothing here reads
 message text.
 """
 
+from typing import Iterable
+
 __all__ = ["MatexError", "RankFailure", "MismatchError", "mpi_error_class", "is_rank_failure",
            "is_mismatch"]
 
@@ -24,7 +26,7 @@ class MatexError(RuntimeError):
 class RankFailure(MatexError):
     """A rank was lost and the job cannot (or may not) recover from it here."""
 
-    def __init__(self, message, lost=()):
+    def __init__(self, message: str, lost: Iterable[int] = ()) -> None:
         super().__init__(message)
         self.lost = list(lost)
 
@@ -39,7 +41,7 @@ def _payload(error, keys):
     return next((value for key, value in payloads.items() if key in keys), None)
 
 
-def mpi_error_class(error):
+def mpi_error_class(error: BaseException) -> int | None:
     """The MPI error class carried by ``error`` (a MaTEx op error or ``MPI.Exception``), or None."""
     value = _payload(error, _PAYLOAD_KEYS)
     if value is not None:
@@ -50,7 +52,7 @@ def mpi_error_class(error):
     return None
 
 
-def is_mismatch(error) -> bool:
+def is_mismatch(error: BaseException) -> bool:
     """Whether ``error`` says the ranks disagreed on the collective to run.
 
     The agreement check before every collective raises it on every rank (a
@@ -67,7 +69,7 @@ def _failure_classes():
                         getattr(MPI, "ERR_REVOKED", None)) if c is not None}
 
 
-def is_rank_failure(error) -> bool:
+def is_rank_failure(error: BaseException) -> bool:
     """Whether ``error`` reports a failed peer or a revoked communicator."""
     if isinstance(error, RankFailure):
         return True

@@ -13,12 +13,12 @@ class BroadcastGlobalVariablesCallback(keras.callbacks.Callback):
     ``matex.keras``/``python -m matex``.
     """
 
-    def __init__(self, root=0):
+    def __init__(self, root: int = 0) -> None:
         super().__init__()
         self.root = root
         self._done = False
 
-    def on_train_begin(self, logs=None):
+    def on_train_begin(self, logs: dict | None = None) -> None:
         if self._done:
             return
         variables = list(self.model.variables)

@@ -5,7 +5,8 @@ import keras
 from matex import _compat, _runtime
 
 
-def check_learning_rate_settable(optimizer, what="scaling the learning rate"):
+def check_learning_rate_settable(optimizer: keras.optimizers.Optimizer,
+                                 what: str = "scaling the learning rate") -> None:
     """Raise a clear error if ``optimizer``'s learning rate is a schedule (not settable)."""
     from keras.optimizers.schedules import LearningRateSchedule
 
@@ -49,8 +50,9 @@ class LearningRateWarmupCallback(keras.callbacks.Callback):
     scaled: a clear ``ValueError`` at the start of training.
     """
 
-    def __init__(self, warmup_epochs=1, multiplier=None, steps_per_epoch=None, verbose=0,
-                 restore_on_train_end=False):
+    def __init__(self, warmup_epochs: int = 1, multiplier: float | None = None,
+                 steps_per_epoch: int | None = None, verbose: int = 0,
+                 restore_on_train_end: bool = False) -> None:
         super().__init__()
         self.warmup_epochs = warmup_epochs
         self.multiplier = multiplier
@@ -60,7 +62,7 @@ class LearningRateWarmupCallback(keras.callbacks.Callback):
         self._base = None
         self._epoch = 0
 
-    def on_train_begin(self, logs=None):
+    def on_train_begin(self, logs: dict | None = None) -> None:
         optimizer = self.model.optimizer
         check_learning_rate_settable(optimizer, "LearningRateWarmupCallback")
         self._base = _unscaled_learning_rate(optimizer)
@@ -68,22 +70,22 @@ class LearningRateWarmupCallback(keras.callbacks.Callback):
             self.multiplier = _runtime.size()
         self.steps_per_epoch = self.steps_per_epoch or self.params.get("steps") or 1
 
-    def on_epoch_begin(self, epoch, logs=None):
+    def on_epoch_begin(self, epoch: int, logs: dict | None = None) -> None:
         self._epoch = epoch
 
-    def on_train_batch_begin(self, batch, logs=None):
+    def on_train_batch_begin(self, batch: int, logs: dict | None = None) -> None:
         total = self.warmup_epochs * self.steps_per_epoch
         done = self._epoch * self.steps_per_epoch + batch + 1
         fraction = min(1.0, done / total)
         _set_learning_rate(self.model.optimizer, self._base,
                            self._base * (1 + (self.multiplier - 1) * fraction))
 
-    def on_epoch_end(self, epoch, logs=None):
+    def on_epoch_end(self, epoch: int, logs: dict | None = None) -> None:
         if self.verbose and _runtime.rank() == 0 and epoch < self.warmup_epochs:
             print("matex: learning rate %.6g after warmup epoch %d"
                   % (float(self.model.optimizer.learning_rate), epoch + 1))
 
-    def on_train_end(self, logs=None):
+    def on_train_end(self, logs: dict | None = None) -> None:
         if self.restore_on_train_end and self._base is not None:
             optimizer = self.model.optimizer
             optimizer.learning_rate = _unscaled_learning_rate(optimizer)

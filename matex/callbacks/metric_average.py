@@ -10,7 +10,7 @@ class MetricAverageCallback(keras.callbacks.Callback):
     """Average the epoch-end logs over ranks (for training without ``matex.keras``,
     whose metrics are already exact global values)."""
 
-    def on_epoch_end(self, epoch, logs=None):
+    def on_epoch_end(self, epoch: int, logs: dict | None = None) -> None:
         if not logs:
             return
         keys = sorted(k for k, v in logs.items() if np.ndim(v) == 0)

@@ -17,10 +17,16 @@ The same figures, over each epoch, go into the epoch logs (so into
 rank that waited most spent waiting than it.
 """
 
+from __future__ import annotations
+
 import sys
 import time
+from typing import TYPE_CHECKING, TextIO
 
 import keras
+
+if TYPE_CHECKING:
+    from mpi4py import MPI
 
 RING_SHARE = 0.5   # exchange before half of the recorder's ring is new entries
 
@@ -72,7 +78,8 @@ class MonitorCallback(keras.callbacks.Callback):
       stream: where rank 0 writes (default stderr, apart from Keras's progress bar).
     """
 
-    def __init__(self, global_batch: int, interval=None, stream=None):
+    def __init__(self, global_batch: int | None, interval: float | None = None,
+                 stream: TextIO | None = None) -> None:
         super().__init__()
         from matex import _config
 
@@ -86,16 +93,16 @@ class MonitorCallback(keras.callbacks.Callback):
         self.line_steps = _Totals()
         self.epoch_totals = _Totals()
         self.pending = _Totals()
-        self.latest = {}
+        self.latest: dict = {}
 
     @property
-    def control(self):
+    def control(self) -> MPI.Intracomm:
         """The control communicator in use now (a recovery replaces it: never cached)."""
         from matex import _runtime
 
         return _runtime.control()
 
-    def on_train_begin(self, logs=None):
+    def on_train_begin(self, logs: dict | None = None) -> None:
         """Start (or, after a recovery re-runs ``fit``, restart) the exchange schedule.
 
         Every rank comes here at the same point of training, so every rank
@@ -117,20 +124,20 @@ class MonitorCallback(keras.callbacks.Callback):
         self.every = 1
         self.next_exchange = self.step + 1
 
-    def on_epoch_begin(self, epoch, logs=None):
+    def on_epoch_begin(self, epoch: int, logs: dict | None = None) -> None:
         self.epoch_totals = _Totals()
 
-    def on_train_batch_begin(self, batch, logs=None):
+    def on_train_batch_begin(self, batch: int, logs: dict | None = None) -> None:
         self.t0 = time.perf_counter()
 
-    def on_train_batch_end(self, batch, logs=None):
+    def on_train_batch_end(self, batch: int, logs: dict | None = None) -> None:
         self.pending.step_s += time.perf_counter() - self.t0
         self.pending.steps += 1
         self.step += 1
         if self.step >= self.next_exchange:
             self._exchange()
 
-    def on_epoch_end(self, epoch, logs=None):
+    def on_epoch_end(self, epoch: int, logs: dict | None = None) -> None:
         self._exchange()
         gathered = self.control.allgather(self.epoch_totals.as_tuple())
         found = figures(gathered, self.global_batch, time.time() - self.epoch_totals.since)

@@ -12,22 +12,22 @@ class TimelineCallback(keras.callbacks.Callback):
     costs two clock reads and two reads of the core's sequence number.
     """
 
-    def __init__(self):
+    def __init__(self) -> None:
         super().__init__()
         self.step = 0
 
-    def on_train_begin(self, logs=None):
+    def on_train_begin(self, logs: dict | None = None) -> None:
         optimizer = getattr(self.model, "optimizer", None)
         self.step = int(optimizer.iterations) if optimizer is not None else 0
 
-    def on_train_batch_begin(self, batch, logs=None):
+    def on_train_batch_begin(self, batch: int, logs: dict | None = None) -> None:
         from matex import timeline
 
         writer = timeline.writer()
         if writer is not None:
             writer.step_begin(self.step)
 
-    def on_train_batch_end(self, batch, logs=None):
+    def on_train_batch_end(self, batch: int, logs: dict | None = None) -> None:
         from matex import timeline
 
         writer = timeline.writer()

@@ -14,9 +14,15 @@ Error feedback (Karimireddy et al. 2019): what a rank did not send this step
 Residuals differ per rank, which is fine: the update applied is the same.
 """
 
+from __future__ import annotations
+
 import weakref
+from typing import TYPE_CHECKING, Sequence
 
 import tensorflow as tf
+
+if TYPE_CHECKING:
+    import keras
 
 from matex import _recovery
 
@@ -117,38 +123,40 @@ class Compressor:
 
     name = "compressor"
 
-    def __init__(self, min_size=DEFAULT_MIN_SIZE):
+    def __init__(self, min_size: int = DEFAULT_MIN_SIZE) -> None:
         if isinstance(min_size, bool) or not isinstance(min_size, int) or min_size < 0:
             raise ValueError("min_size must be a whole number >= 0, not %r" % (min_size,))
         self.min_size = min_size
         self._step = None
 
-    def selects(self, item) -> bool:
+    def selects(self, item: Item) -> bool:
         """Whether this compressor takes ``item`` (else it goes dense and fused)."""
         size = item.size
         return size is not None and size >= self.min_size and item.grad.shape.rank >= 2
 
-    def step(self):
+    def step(self) -> tf.Tensor:
         """This call's step number (same on every rank); the counter then advances."""
         if self._step is None:
             self._step = _state_variable(lambda: tf.constant(0, tf.int64),
                                          "matex_compression_step")
         return self._step.assign_add(1) - 1
 
-    def reduce(self, items, op, threshold):
+    def reduce(self, items: Sequence[Item], op: str,
+               threshold: int) -> tuple[list[tf.Tensor], list[int]]:
         """``(reduced gradients, bytes sent per item)`` for ``items`` (all selected)."""
         raise NotImplementedError
 
-    def shared_variables(self):
+    def shared_variables(self) -> list[tf.Variable]:
         """State equal on every rank (the step counter; PowerSGD's Q): synced and digested."""
         return [] if self._step is None else [self._step]
 
-    def rank_variables(self):
+    def rank_variables(self) -> list[tf.Variable]:
         """State of this rank alone (error-feedback residuals)."""
         memory = getattr(self, "memory", None)
         return memory.values() if memory is not None else []
 
-    def recovery_state(self, optimizer, variables) -> "CompressorState":
+    def recovery_state(self, optimizer: keras.optimizers.Optimizer,
+                       variables: Sequence[tf.Variable]) -> CompressorState:
         """This compressor's step state for ``optimizer`` (``CompressorState``), which
         ``DistributedOptimizer`` joins to it: its step count moves when a step commits."""
         return CompressorState(self, lambda: int(optimizer.iterations))

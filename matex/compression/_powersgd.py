@@ -1,12 +1,16 @@
 """PowerSGD (Vogels et al., 2019): a rank-r approximation P Q^T of each gradient matrix,
 found by one power-iteration step per training step; only P and Q travel."""
 
+from __future__ import annotations
+
 import logging
+from typing import Sequence
 
 import tensorflow as tf
 
 from matex import _fusion
-from matex.compression._base import (DEFAULT_MIN_SIZE, Compressor, ErrorFeedback, PerVariable,
+from matex.compression._base import (DEFAULT_MIN_SIZE, Compressor, ErrorFeedback, Item,
+                                     PerVariable,
                                      check_float)
 
 log = logging.getLogger("matex.compression")
@@ -35,8 +39,9 @@ class PowerSGD(Compressor):
 
     name = "PowerSGD"
 
-    def __init__(self, rank, start_step=0, warm_start=True, error_feedback=True, seed=4321,
-                 min_size=None):
+    def __init__(self, rank: int, start_step: int = 0, warm_start: bool = True,
+                 error_feedback: bool = True, seed: int = 4321,
+                 min_size: int | None = None) -> None:
         super().__init__(DEFAULT_MIN_SIZE if min_size is None else min_size)
         if isinstance(rank, bool) or not isinstance(rank, int) or rank < 1:
             raise ValueError("PowerSGD rank must be a whole number >= 1, not %r" % (rank,))
@@ -52,7 +57,7 @@ class PowerSGD(Compressor):
         self._q = PerVariable()   # Q per matrix, dropped with its variable
         self._noted = set()
 
-    def selects(self, item) -> bool:
+    def selects(self, item: Item) -> bool:
         size = item.size
         if size is None or size < self.min_size:
             return False
@@ -68,7 +73,7 @@ class PowerSGD(Compressor):
         n, m = as_matrix_shape(item.grad.shape)
         return min(self.rank, n, m)
 
-    def shared_variables(self):
+    def shared_variables(self) -> list[tf.Variable]:
         return super().shared_variables() + self._q.values()   # Q: the same on every rank
 
     def _q_variable(self, i, item):
@@ -80,7 +85,8 @@ class PowerSGD(Compressor):
 
         return self._q.get(item, start)
 
-    def reduce(self, items, op, threshold):
+    def reduce(self, items: Sequence[Item], op: str,
+               threshold: int) -> tuple[list[tf.Tensor], list[int]]:
         for it in items:
             check_float(it, self.name)
         step = self.step()

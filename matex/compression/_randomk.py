@@ -9,13 +9,16 @@ O(k) per gradient. Drawing k distinct positions by ranking n random numbers
 k^2/2n of them) carry equal values on every rank and are applied once.
 """
 
+from __future__ import annotations
+
 import math
+from typing import Sequence
 
 import tensorflow as tf
 
 from matex import _fusion
-from matex.compression._base import (DEFAULT_MIN_SIZE, Compressor, ErrorFeedback, check_float,
-                                     check_ratio)
+from matex.compression._base import (DEFAULT_MIN_SIZE, Compressor, ErrorFeedback, Item,
+                                     check_float, check_ratio)
 
 
 class RandomK(Compressor):
@@ -30,14 +33,16 @@ class RandomK(Compressor):
 
     name = "RandomK"
 
-    def __init__(self, ratio, error_feedback=True, seed=1234, min_size=None):
+    def __init__(self, ratio: float, error_feedback: bool = True, seed: int = 1234,
+                 min_size: int | None = None) -> None:
         super().__init__(DEFAULT_MIN_SIZE if min_size is None else min_size)
         self.ratio = check_ratio(ratio, "RandomK")
         self.error_feedback = bool(error_feedback)
         self.seed = int(seed)
         self.memory = ErrorFeedback()
 
-    def reduce(self, items, op, threshold):
+    def reduce(self, items: Sequence[Item], op: str,
+               threshold: int) -> tuple[list[tf.Tensor], list[int]]:
         step = self.step()
         flats, idxs, vals = [], [], []
         for i, it in enumerate(items):

@@ -4,11 +4,13 @@ Apart from ``_base`` so that the interface module imports none of its
 subclasses: this module sits above them all.
 """
 
+from __future__ import annotations
+
 from matex import _config
 from matex.compression import _cast, _powersgd, _randomk, _topk
 from matex.compression._base import Compressor
 
-def from_spec(spec):
+def from_spec(spec: Compressor | str | None) -> Compressor | None:
     """A compressor from text such as "fp16", "bf16", "topk:0.01", "randomk:0.01",
     "powersgd:4", "none"; a Compressor is returned as is; None/"none" give None."""
     if spec is None or isinstance(spec, Compressor):

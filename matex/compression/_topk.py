@@ -1,13 +1,16 @@
 """Top-k sparsification: each rank sends its k largest-magnitude entries, exchanged with
 the sparse allreduce (the union of the ranks' entries, summed)."""
 
+from __future__ import annotations
+
 import math
+from typing import Sequence
 
 import tensorflow as tf
 
 from matex import _collectives, _sparse
-from matex.compression._base import (DEFAULT_MIN_SIZE, Compressor, ErrorFeedback, check_float,
-                                     check_ratio)
+from matex.compression._base import (DEFAULT_MIN_SIZE, Compressor, ErrorFeedback, Item,
+                                     check_float, check_ratio)
 
 
 class TopK(Compressor):
@@ -22,17 +25,19 @@ class TopK(Compressor):
 
     name = "TopK"
 
-    def __init__(self, ratio, error_feedback=True, min_size=None, density_threshold=None):
+    def __init__(self, ratio: float, error_feedback: bool = True, min_size: int | None = None,
+                 density_threshold: float | None = None) -> None:
         super().__init__(DEFAULT_MIN_SIZE if min_size is None else min_size)
         self.ratio = check_ratio(ratio, "TopK")
         self.error_feedback = bool(error_feedback)
         self.density_threshold = density_threshold
         self.memory = ErrorFeedback()
 
-    def k(self, size):
+    def k(self, size: int) -> int:
         return max(1, int(math.ceil(self.ratio * size)))
 
-    def reduce(self, items, op, threshold):
+    def reduce(self, items: Sequence[Item], op: str,
+               threshold: int) -> tuple[list[tf.Tensor], list[int]]:
         out, sent = [None] * len(items), [None] * len(items)
         by_dtype = {}
         for i, it in enumerate(items):

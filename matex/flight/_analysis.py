@@ -13,6 +13,7 @@ first.
 """
 
 import json
+import os
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import List, Optional
@@ -35,7 +36,7 @@ class Finding:
     comm: Optional[str] = None   # the communicator ``seq`` counts on (its id)
 
 
-def load(directory) -> List[dict]:
+def load(directory: str | os.PathLike) -> List[dict]:
     """Every rank's dump in ``directory`` (of the most recent job when several left dumps)."""
     directory = Path(directory)
     if not directory.is_dir():

@@ -91,7 +91,7 @@ def stacks() -> dict:
     return out
 
 
-def dump(reason: str = "requested", directory=None) -> Path:
+def dump(reason: str = "requested", directory: str | os.PathLike | None = None) -> Path:
     """Write this rank's dump to ``directory`` (default ``MATEX_FLIGHT_DIR``); return its path.
 
     Holds the last collectives the core recorded (oldest first; each names its

@@ -139,7 +139,8 @@ def expand_counts(text: str) -> list[int]:
 class SlurmAllocation:
     """The nodes and task layout of the Slurm job this process runs in."""
 
-    def __init__(self, job_id, hosts, ntasks, cpus_per_task):
+    def __init__(self, job_id: str, hosts: list[tuple[str, int]], ntasks: int,
+                 cpus_per_task: int) -> None:
         self.job_id = job_id
         self.hosts = hosts                  # [(name, tasks on it)]
         self.ntasks = ntasks

@@ -80,7 +80,9 @@ class DiLoCoStrategy(LocalStrategy):
         return tf.constant(True)
 
 
-def DiLoCo(inner_optimizer, outer_optimizer, sync_every: int):
+def DiLoCo(inner_optimizer: keras.optimizers.Optimizer | str,
+           outer_optimizer: keras.optimizers.Optimizer | str,
+           sync_every: int) -> keras.optimizers.Optimizer:
     """DiLoCo: H local steps with ``inner_optimizer``, then an outer step on the average.
 
     Args:

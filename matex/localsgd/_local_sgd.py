@@ -27,10 +27,17 @@ survivors: at most H - 1 steps of work are redone and no sample is lost or
 counted twice.
 """
 
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
 import tensorflow as tf
 
 from matex import _collectives, _commit, _compat, _fusion, _optimizer, _recovery, _stats
 from matex.compression._reduce import _name
+
+if TYPE_CHECKING:
+    import keras
 
 
 def check_sync_every(sync_every):
@@ -214,7 +221,8 @@ def convert(optimizer, strategy):
     return optimizer
 
 
-def LocalSGD(optimizer, sync_every: int):
+def LocalSGD(optimizer: keras.optimizers.Optimizer | str,
+             sync_every: int) -> keras.optimizers.Optimizer:
     """Local SGD: step alone, average the weights over ranks every ``sync_every`` steps.
 
     Args:

@@ -19,6 +19,7 @@ nothing of this runs.
 
 import atexit
 import contextlib
+import os
 import threading
 import time
 
@@ -45,7 +46,8 @@ def parse_steps(steps):
     return _config.parse_step_range("%d-%d" % (first, last), "timeline steps")
 
 
-def start(directory, steps=None) -> None:
+def start(directory: str | os.PathLike,
+          steps: str | int | tuple[int, int] | None = None) -> None:
     """Start writing this rank's timeline to ``directory`` (collective: call on every rank).
 
     ``steps``: record only these training steps (``"100-120"`` or a pair,
@@ -155,7 +157,7 @@ class _Step:
 _next_step = 0
 
 
-def step(number: int = None):
+def step(number: int | None = None) -> contextlib.AbstractContextManager:
     """``with matex.timeline.step(i): train_step(...)`` marks a custom loop's training step.
 
     What ``fit`` gets from its callback: the step's span with its phases
@@ -173,7 +175,7 @@ def step(number: int = None):
     return _Step(w, int(number))
 
 
-def span(name: str, **args):
+def span(name: str, **args: object) -> contextlib.AbstractContextManager:
     """``with matex.timeline.span("read", rows=256): ...`` records that block on the reader row.
 
     Any thread may use it (the readers' worker threads do). When no timeline

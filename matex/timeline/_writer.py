@@ -264,7 +264,7 @@ def _bucket(names: dict, site: str):
     return None
 
 
-def check_writable(directory) -> Path:
+def check_writable(directory: str | os.PathLike) -> Path:
     """Create ``directory`` and prove a file can be written there; a clear TimelineError else."""
     directory = Path(directory)
     try:
