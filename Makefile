@@ -11,7 +11,7 @@ export OMPI_ALLOW_RUN_AS_ROOT_CONFIRM := 1
 export TF_CPP_MIN_LOG_LEVEL := 2
 export PIP_DISABLE_PIP_VERSION_CHECK := 1
 
-.PHONY: demo test ops venv bench clean
+.PHONY: demo test ops venv bench clean docs
 
 venv: $(STAMP)
 
@@ -30,6 +30,9 @@ demo: ops
 test: ops
 	$(PY) -m ruff check .
 	$(PY) -m pytest -q --durations=25 tests
+
+docs: $(STAMP)
+	$(PY) -m mkdocs build --strict --site-dir build/site
 
 bench: ops
 	$(PY) benchmarks/allreduce.py
