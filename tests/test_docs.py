@@ -59,3 +59,11 @@ def test_manual_pages_and_images_are_in_the_site(site):
         assert (site / image.name).is_file(), image.name
         assert image.name in built, f"no page shows {image.name}"
 
+
+
+def test_readme_is_a_front_page():
+    lines = (ROOT / "README.md").read_text(encoding="utf-8").splitlines()
+    assert len(lines) <= 400, f"README.md has {len(lines)} lines; move text to docs/"
+    # its links to the manual resolve (relative, so they work on GitHub too)
+    for target in re.findall(r"\]\((docs/[^)#\s]+)", "\n".join(lines)):
+        assert (ROOT / target).exists(), target
