@@ -1,10 +1,13 @@
 """DataSet: files of samples, sharded over the ranks of ``matex.comm()``, as tf.data batches."""
 
+from __future__ import annotations
+
 import glob
 import os
 import sys
 import threading
 from concurrent.futures import ThreadPoolExecutor
+from typing import TYPE_CHECKING, Sequence
 
 import numpy as np
 
@@ -15,6 +18,9 @@ from . import _gather, _partition
 from ._errors import ReaderError, agreed
 from ._pipeline import cpu_count, stream, tf_dataset
 from ._reader import Reader, row_bytes
+
+if TYPE_CHECKING:
+    import tensorflow as tf
 
 FORMATS = ("hdf5", "hdf5-classes", "csv", "netcdf")
 _EXTENSIONS = {".h5": "hdf5", ".hdf5": "hdf5", ".he5": "hdf5", ".csv": "csv",
@@ -140,11 +146,15 @@ class DataSet:
     shuffled. Bad input raises ReaderError on every rank.
     """
 
-    def __init__(self, source, features="x", labels="y",
-                 format=None,  # noqa: A002 - the keyword of the original MaTEx API
-                 batch_size=None,
-                 shuffle=True, seed=0, validation_split=0.0, memory_budget=None,
-                 header=None, delimiter=",", per_rank_batch_size=None):
+    def __init__(self, source: str | os.PathLike | Sequence[str | os.PathLike],
+                 features: str | int | Sequence[str | int] | None = "x",
+                 labels: str | int | Sequence[str | int] | None = "y",
+                 format: str | None = None,  # noqa: A002 - the keyword of the original MaTEx API
+                 batch_size: int | None = None,
+                 shuffle: bool = True, seed: int = 0, validation_split: float = 0.0,
+                 memory_budget: int | str | None = None,
+                 header: bool | None = None, delimiter: str = ",",
+                 per_rank_batch_size: int | None = None) -> None:
         if not 0.0 <= validation_split < 1.0:
             raise ReaderError("validation_split must be in [0, 1), got %r" % (validation_split,))
         self.per_rank_batch_size = _per_rank_batch(batch_size, per_rank_batch_size)
@@ -376,7 +386,7 @@ class DataSet:
         return x, tf.TensorSpec((None,) + self._y_spec[0], tf.as_dtype(self._y_spec[1]))
 
     @property
-    def train(self):
+    def train(self) -> tf.data.Dataset:
         """tf.data.Dataset of this rank's training batches; each iteration is the next epoch.
 
         Its length is that of the next iteration: after ``reshard``, or when
@@ -388,7 +398,7 @@ class DataSet:
         return self._train_tf[steps]
 
     @property
-    def validation(self):
+    def validation(self) -> tf.data.Dataset | None:
         """tf.data.Dataset of this rank's validation batches (in file order), or None."""
         if not self.num_validation_samples:
             return None
@@ -402,7 +412,7 @@ class DataSet:
         return self._validation_tf[steps]
 
     @property
-    def batch_size(self):
+    def batch_size(self) -> int:
         """The global batch: ``per_rank_batch_size`` times the current number of ranks.
 
         After the communicator shrank (see ``reshard``) the per-rank batch is
@@ -411,22 +421,22 @@ class DataSet:
         return self.per_rank_batch_size * matex.size()
 
     @property
-    def steps_per_epoch(self):
+    def steps_per_epoch(self) -> int:
         """Training steps (batches) per epoch, the same on every rank."""
         return self.num_samples // (self.per_rank_batch_size * matex.size())
 
     @property
-    def validation_steps(self):
+    def validation_steps(self) -> int:
         """Validation batches per pass, the same on every rank (the last may be short)."""
         return -(-(self.num_validation_samples // matex.size()) // self.per_rank_batch_size)
 
     @property
-    def epoch(self):
+    def epoch(self) -> int:
         """The epoch the next iteration of ``train`` starts (settable, e.g. when resuming)."""
         return self._epoch
 
     @epoch.setter
-    def epoch(self, value):
+    def epoch(self, value: int) -> None:
         with self._lock:
             self._epoch, self._resume = int(value), None
 
@@ -450,28 +460,28 @@ class DataSet:
         return self._shards[key]
 
     @property
-    def training_data(self):
+    def training_data(self) -> np.ndarray:
         """This rank's training samples (its unshuffled shard) as one NumPy array."""
         return self._shard("train")[0]
 
     @property
-    def training_labels(self):
+    def training_labels(self) -> np.ndarray | None:
         """Labels of ``training_data`` (None for unlabeled data)."""
         return self._shard("train")[1]
 
     @property
-    def validation_data(self):
+    def validation_data(self) -> np.ndarray:
         """This rank's validation samples as one NumPy array."""
         return self._shard("validation")[0]
 
     @property
-    def validation_labels(self):
+    def validation_labels(self) -> np.ndarray | None:
         """Labels of ``validation_data`` (None for unlabeled data)."""
         return self._shard("validation")[1]
 
     # -- re-sharding -----------------------------------------------------------
 
-    def reshard(self, consumed_steps):
+    def reshard(self, consumed_steps: int) -> int:
         """Re-divide the rest of the current epoch among the ranks of the current ``matex.comm()``.
 
         Call it on every rank of the new communicator (a collective), with the
@@ -505,7 +515,7 @@ class DataSet:
             self._resume = plan if plan.steps else None
             return plan.steps
 
-    def close(self):
+    def close(self) -> None:
         """Release files and threads."""
         self._pool.shutdown(wait=True)
         if self._table is not None:

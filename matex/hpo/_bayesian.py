@@ -62,8 +62,11 @@ is a minimisation, a "max" objective is negated) is optimised over the unit
 cube: random and local candidates, then a few bounded L-BFGS-B runs.
 """
 
+from __future__ import annotations
+
 import logging
 import math
+from typing import Any
 
 import keras_tuner as kt
 import numpy as np
@@ -109,11 +112,15 @@ class LazyBayesianOracle(kt.Oracle):
         num_candidates: random candidates scored before the local optimisation.
     """
 
-    def __init__(self, objective=None, max_trials=10, num_initial_points=None, lag=20,
-                 acquisition="ei", seed=None, hyperparameters=None, allow_new_entries=True,
-                 tune_new_entries=True, max_retries_per_trial=0,
-                 max_consecutive_failed_trials=3, kappa=2.6, xi=0.0, liar="believer",
-                 kernel="matern52", num_candidates=1000, refit_until=50, isotropic_until=None):
+    def __init__(self, objective: kt.Objective | str | list | None = None, max_trials: int = 10,
+                 num_initial_points: int | None = None, lag: int = 20,
+                 acquisition: str = "ei", seed: int | None = None,
+                 hyperparameters: kt.HyperParameters | None = None,
+                 allow_new_entries: bool = True, tune_new_entries: bool = True,
+                 max_retries_per_trial: int = 0, max_consecutive_failed_trials: int = 3,
+                 kappa: float = 2.6, xi: float = 0.0, liar: str = "believer",
+                 kernel: str = "matern52", num_candidates: int = 1000, refit_until: int = 50,
+                 isotropic_until: int | None = None) -> None:
         if acquisition not in ACQUISITIONS:
             raise ValueError("acquisition must be one of %s, not %r" % (ACQUISITIONS, acquisition))
         if liar not in LIARS:
@@ -199,7 +206,7 @@ class LazyBayesianOracle(kt.Oracle):
 
     # ---- proposals --------------------------------------------------------------------------
 
-    def populate_space(self, trial_id):
+    def populate_space(self, trial_id: str) -> dict:
         space = self.hyperparameters.space
         # random points until as many as the initial points were handed out; with groups
         # running concurrently, the first proposals come while some of those still run
@@ -305,7 +312,7 @@ class LazyBayesianOracle(kt.Oracle):
 
     # ---- saved state ------------------------------------------------------------------------
 
-    def get_state(self):
+    def get_state(self) -> dict:
         state = super().get_state()
         state.update({"num_initial_points": self.num_initial_points, "lag": self.lag,
                       "refit_until": self.refit_until, "isotropic_until": self.isotropic_until,
@@ -314,7 +321,7 @@ class LazyBayesianOracle(kt.Oracle):
                       "num_candidates": self.num_candidates})
         return state
 
-    def set_state(self, state):
+    def set_state(self, state: dict) -> None:
         super().set_state(state)
         self.num_initial_points = state["num_initial_points"]
         self.lag = state["lag"]
@@ -337,10 +344,14 @@ class LazyBayesianSearch(kt.Tuner):
     (further oracle options: ``LazyBayesianOracle``).
     """
 
-    def __init__(self, hypermodel=None, objective=None, max_trials=10, num_initial_points=None,
-                 lag=20, acquisition="ei", seed=None, hyperparameters=None,
-                 tune_new_entries=True, allow_new_entries=True, max_retries_per_trial=0,
-                 max_consecutive_failed_trials=3, refit_until=50, isotropic_until=None, **kwargs):
+    def __init__(self, hypermodel: kt.HyperModel | Any = None,
+                 objective: kt.Objective | str | list | None = None, max_trials: int = 10,
+                 num_initial_points: int | None = None, lag: int = 20, acquisition: str = "ei",
+                 seed: int | None = None, hyperparameters: kt.HyperParameters | None = None,
+                 tune_new_entries: bool = True, allow_new_entries: bool = True,
+                 max_retries_per_trial: int = 0, max_consecutive_failed_trials: int = 3,
+                 refit_until: int = 50, isotropic_until: int | None = None,
+                 **kwargs: Any) -> None:
         oracle = LazyBayesianOracle(
             objective=objective, max_trials=max_trials, num_initial_points=num_initial_points,
             lag=lag, refit_until=refit_until, isotropic_until=isotropic_until,

@@ -19,9 +19,12 @@ from the trials in the order they ended, so a resumed search goes on as an
 uninterrupted one would.
 """
 
+from __future__ import annotations
+
 import logging
 import math
 import zlib
+from typing import Any
 
 import keras_tuner as kt
 import numpy as np
@@ -54,10 +57,13 @@ class GeneticOracle(kt.Oracle):
         migration_interval: completed trials between migrations.
     """
 
-    def __init__(self, objective=None, max_trials=10, population_size=16, mutation_rate=0.2,
-                 crossover_rate=0.5, elitism=2, islands=1, migration_interval=10, seed=None,
-                 hyperparameters=None, allow_new_entries=True, tune_new_entries=True,
-                 max_retries_per_trial=0, max_consecutive_failed_trials=3):
+    def __init__(self, objective: kt.Objective | str | list | None = None, max_trials: int = 10,
+                 population_size: int = 16, mutation_rate: float = 0.2,
+                 crossover_rate: float = 0.5, elitism: int = 2, islands: int = 1,
+                 migration_interval: int = 10, seed: int | None = None,
+                 hyperparameters: kt.HyperParameters | None = None,
+                 allow_new_entries: bool = True, tune_new_entries: bool = True,
+                 max_retries_per_trial: int = 0, max_consecutive_failed_trials: int = 3) -> None:
         islands = int(islands)
         if islands < 1:
             raise ValueError("islands must be at least 1, got %r" % islands)
@@ -146,7 +152,7 @@ class GeneticOracle(kt.Oracle):
 
     # ---- proposals --------------------------------------------------------------------------
 
-    def populate_space(self, trial_id):
+    def populate_space(self, trial_id: str) -> dict:
         self._sync()
         island = _number(trial_id) % self.islands
         self._island_of[trial_id] = island
@@ -201,7 +207,7 @@ class GeneticOracle(kt.Oracle):
 
     # ---- saved state ------------------------------------------------------------------------
 
-    def get_state(self):
+    def get_state(self) -> dict:
         self._sync()
         state = super().get_state()
         state.update({"population_size": self.population_size,
@@ -213,7 +219,7 @@ class GeneticOracle(kt.Oracle):
                       "migrations": self.migrations})
         return state
 
-    def set_state(self, state):
+    def set_state(self, state: dict) -> None:
         super().set_state(state)
         for name in ("population_size", "mutation_rate", "crossover_rate", "elitism", "islands",
                      "migration_interval", "migrations"):
@@ -258,11 +264,15 @@ class GeneticSearch(kt.Tuner):
     """A Keras Tuner tuner driven by ``GeneticOracle`` (same arguments as Keras Tuner's tuners,
     plus the genetic ones)."""
 
-    def __init__(self, hypermodel=None, objective=None, max_trials=10, population_size=16,
-                 mutation_rate=0.2, crossover_rate=0.5, elitism=2, islands=1,
-                 migration_interval=10, seed=None, hyperparameters=None, tune_new_entries=True,
-                 allow_new_entries=True, max_retries_per_trial=0,
-                 max_consecutive_failed_trials=3, **kwargs):
+    def __init__(self, hypermodel: kt.HyperModel | Any = None,
+                 objective: kt.Objective | str | list | None = None, max_trials: int = 10,
+                 population_size: int = 16, mutation_rate: float = 0.2,
+                 crossover_rate: float = 0.5, elitism: int = 2, islands: int = 1,
+                 migration_interval: int = 10, seed: int | None = None,
+                 hyperparameters: kt.HyperParameters | None = None,
+                 tune_new_entries: bool = True, allow_new_entries: bool = True,
+                 max_retries_per_trial: int = 0, max_consecutive_failed_trials: int = 3,
+                 **kwargs: Any) -> None:
         oracle = GeneticOracle(
             objective=objective, max_trials=max_trials, population_size=population_size,
             mutation_rate=mutation_rate, crossover_rate=crossover_rate, elitism=elitism,

@@ -17,8 +17,11 @@ current data's mean and spread at every prediction; for that the factor's
 solves against y and against a vector of ones are extended along with it.
 """
 
+from __future__ import annotations
+
 import logging
 import math
+from typing import Sequence
 
 import numpy as np
 import scipy.linalg
@@ -44,9 +47,11 @@ class LazyGP:
     units of the standardised targets).
     """
 
-    def __init__(self, dim: int, kernel: str = "matern52", length_scales=None,
-                 signal_variance: float = 1.0, noise: float = 1e-4, bounds=None,
-                 capacity: int = 64, seed=None):
+    def __init__(self, dim: int, kernel: str = "matern52",
+                 length_scales: float | Sequence[float] | np.ndarray | None = None,
+                 signal_variance: float = 1.0, noise: float = 1e-4,
+                 bounds: Sequence[tuple[float, float]] | np.ndarray | None = None,
+                 capacity: int = 64, seed: int | None = None) -> None:
         if kernel not in KERNELS:
             raise ValueError("kernel must be one of %s, not %r" % (KERNELS, kernel))
         if dim < 1:
@@ -95,7 +100,7 @@ class LazyGP:
         """The observed targets, as given (a copy)."""
         return self._y[:self.n].copy()
 
-    def normalise(self, X) -> np.ndarray:
+    def normalise(self, X: np.ndarray | Sequence) -> np.ndarray:
         """Inputs in the caller's units -> [0, 1]^d."""
         return (np.asarray(X, float).reshape(-1, self.dim) - self._low) / self._span
 
@@ -141,7 +146,7 @@ class LazyGP:
             self._dense = L
         return self._dense
 
-    def add(self, x, y) -> None:
+    def add(self, x: np.ndarray | Sequence[float], y: float) -> None:
         """Add one observation: extend the factor by a row in O(n^2), no refactorisation."""
         x = self.normalise(x)[0]
         y = float(y)
@@ -178,7 +183,7 @@ class LazyGP:
         self.stats["adds"] += 1
         self._dense = None
 
-    def set_data(self, X, y) -> None:
+    def set_data(self, X: np.ndarray | Sequence, y: np.ndarray | Sequence[float]) -> None:
         """Replace the observations by ``X`` (caller's units), ``y`` and factorise afresh."""
         X = self.normalise(X)
         y = np.asarray(y, float).reshape(-1)
@@ -239,7 +244,8 @@ class LazyGP:
         n = self.n
         return (self._vy[:n] - mean * self._v1[:n]) / scale, mean, scale
 
-    def predict(self, X, return_std: bool = True):
+    def predict(self, X: np.ndarray | Sequence,
+                return_std: bool = True) -> np.ndarray | tuple[np.ndarray, np.ndarray]:
         """Posterior mean (and standard deviation) of the latent function at ``X``.
 
         ``X`` is in the caller's units (``bounds``); returns arrays of shape (m,).
@@ -279,8 +285,9 @@ class LazyGP:
                 "signal_variance": self.signal_variance, "noise": self.noise,
                 "jitter": self.jitter}
 
-    def set_hyperparameters(self, length_scales=None, signal_variance=None, noise=None,
-                            jitter=None) -> None:
+    def set_hyperparameters(self, length_scales: float | Sequence[float] | np.ndarray | None = None,
+                            signal_variance: float | None = None, noise: float | None = None,
+                            jitter: float | None = None) -> None:
         """Set kernel hyperparameters and refactorise (the old factor is for the old kernel)."""
         if length_scales is not None:
             self.length_scales = np.asarray(length_scales, float).reshape(self.dim).copy()
@@ -325,7 +332,7 @@ class LazyGP:
         grad[d + 1] = -0.5 * noise * np.trace(inner)
         return value, grad
 
-    def fit_hyperparameters(self, restarts: int = 2, seed=None, maxiter: int = 100,
+    def fit_hyperparameters(self, restarts: int = 2, seed: int | None = None, maxiter: int = 100,
                             isotropic: bool = False) -> float:
         """Maximise the log marginal likelihood over the kernel hyperparameters, then refactor.
 

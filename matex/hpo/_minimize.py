@@ -10,8 +10,12 @@ from __future__ import annotations
 import os
 import tempfile
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 from matex import _runtime
+
+if TYPE_CHECKING:
+    import keras_tuner as kt
 
 
 def _oracle(oracle, objective, max_trials, seed, space):
@@ -62,10 +66,11 @@ def _function_tuner_class():
     return FunctionTuner
 
 
-def minimize(fn: Callable, space, oracle="lazy-gp", max_trials: int = 40,
-             ranks_per_trial: int = 1, seed: int = 0, directory: str | None = None,
-             project_name: str = "minimize", overwrite: bool | None = None,
-             verbose: int = 0):
+def minimize(fn: Callable, space: kt.HyperParameters, oracle: str | kt.Oracle = "lazy-gp",
+             max_trials: int = 40, ranks_per_trial: int = 1, seed: int = 0,
+             directory: str | None = None, project_name: str = "minimize",
+             overwrite: bool | None = None,
+             verbose: int = 0) -> tuple[kt.HyperParameters, float]:
     """Minimise ``fn(hp, comm) -> float`` over ``space``; ``(best_hp, best_value)`` on every rank.
 
     ``fn`` runs on every rank of a group of ``ranks_per_trial`` ranks; ``comm``

@@ -19,6 +19,8 @@ the communicator the grid was cut from (``world_slot``). ``Grid.close()``
 One grid at a time.
 """
 
+from __future__ import annotations
+
 from typing import Optional
 
 from mpi4py import MPI
@@ -38,7 +40,7 @@ class Grid:
     ``pipeline_slot``, ``tensor_slot``, ``world_slot``.
     """
 
-    def __init__(self, world, data: int, pipeline: int, tensor: int):
+    def __init__(self, world: MPI.Intracomm, data: int, pipeline: int, tensor: int) -> None:
         self.data_size, self.pipeline_size, self.tensor_size = data, pipeline, tensor
         self.world_size = world.Get_size()
         self.world_rank = w = world.Get_rank()
@@ -73,7 +75,7 @@ class Grid:
                 raise ValueError("%s coordinate %d is outside [0, %d)" % (name, v, n))
         return (d * self.pipeline_size + p) * self.tensor_size + t
 
-    def coordinates_of(self, world_rank: int):
+    def coordinates_of(self, world_rank: int) -> tuple[int, int, int]:
         """(data, pipeline, tensor) coordinates of ``world_rank``."""
         if not 0 <= world_rank < self.world_size:
             raise ValueError("rank %d is outside [0, %d)" % (world_rank, self.world_size))
@@ -82,7 +84,7 @@ class Grid:
         return world_rank // (self.tensor_size * self.pipeline_size), p, t
 
     @property
-    def shape(self):
+    def shape(self) -> tuple[int, int, int]:
         """(data_size, pipeline_size, tensor_size)."""
         return self.data_size, self.pipeline_size, self.tensor_size
 

@@ -40,6 +40,8 @@ Gradient transfers use the forward transfer's tag and slot (they go the other
 way, so they never match a forward message).
 """
 
+from __future__ import annotations
+
 import threading
 
 import tensorflow as tf
@@ -96,7 +98,7 @@ def _token(dtype):
 
 
 @_run_as_is
-def send(tensor, dest: int, comm: int = 0, tag: int = 0) -> tf.Tensor:
+def send(tensor: tf.Tensor, dest: int, comm: int = 0, tag: int = 0) -> tf.Tensor:
     """Send ``tensor`` to rank ``dest`` of communicator slot ``comm``.
 
     Returns a zero scalar of the tensor's dtype: the token whose gradient
@@ -110,7 +112,8 @@ def send(tensor, dest: int, comm: int = 0, tag: int = 0) -> tf.Tensor:
 
 
 @_run_as_is
-def recv(shape, dtype, source: int, comm: int = 0, tag: int = 0) -> tf.Tensor:
+def recv(shape: list[int] | tf.TensorShape | tf.Tensor, dtype: tf.dtypes.DType | str,
+         source: int, comm: int = 0, tag: int = 0) -> tf.Tensor:
     """Receive a tensor of ``shape`` and ``dtype`` sent by rank ``source``.
 
     ``shape`` is a list, a fully defined ``TensorShape`` or an int tensor (a
@@ -125,8 +128,9 @@ def recv(shape, dtype, source: int, comm: int = 0, tag: int = 0) -> tf.Tensor:
 
 
 @_run_as_is
-def sendrecv(tensor, dest: int, source: int, recv_shape, recv_dtype, comm: int = 0,
-             tag: int = 0) -> tf.Tensor:
+def sendrecv(tensor: tf.Tensor, dest: int, source: int,
+             recv_shape: list[int] | tf.TensorShape | tf.Tensor,
+             recv_dtype: tf.dtypes.DType | str, comm: int = 0, tag: int = 0) -> tf.Tensor:
     """Send ``tensor`` to ``dest`` and receive a ``recv_shape`` tensor from ``source``, overlapped.
 
     Deadlock-free in rings and exchanges (every rank sends and receives at

@@ -21,9 +21,12 @@ naming both layers. Nested models are treated as one layer; a layer called
 more than once (shared weights) is refused.
 """
 
+from __future__ import annotations
+
 import time
 
 import keras
+import tensorflow as tf
 import numpy as np
 
 from matex import _compat
@@ -39,10 +42,10 @@ class StageBoundary(keras.layers.Layer):
     they load without MaTEx.
     """
 
-    def call(self, inputs):
+    def call(self, inputs: tf.Tensor) -> tf.Tensor:
         return inputs
 
-    def compute_output_shape(self, input_shape):
+    def compute_output_shape(self, input_shape: tuple) -> tuple:
         return input_shape
 
 

@@ -38,6 +38,8 @@ a non-zero ``activation(0)`` feeding a ``padding="same"`` convolution.
 
 from __future__ import annotations
 
+from typing import Any, Sequence
+
 import keras
 import numpy as np
 import tensorflow as tf
@@ -190,12 +192,12 @@ def _plan(model, masks: dict) -> tuple:
     return steps, params
 
 
-def count_shrunk_params(model, masks: dict) -> int:
+def count_shrunk_params(model: keras.Model, masks: dict) -> int:
     """Parameters the model would have after ``shrink_model(model, masks)`` (no model built)."""
     return _plan(model, masks)[1]
 
 
-def shrink_model(model, masks: dict):
+def shrink_model(model: keras.Model, masks: dict) -> keras.Model:
     """A new, smaller model with the outputs of ``model`` with the ``masks``' dead units.
 
     ``masks`` maps layer names to 0/1 (or boolean) arrays over the layer's
@@ -266,9 +268,10 @@ class NeuronApoptosis(keras.callbacks.Callback):
     per check: epoch, dead units per layer, params_after).
     """
 
-    def __init__(self, data, threshold: float = 0.1, patience: int = 2, layers=None,
+    def __init__(self, data: Any, threshold: float = 0.1, patience: int = 2,
+                 layers: Sequence[str] | None = None,
                  warmup: int = 1, interval: int = 1, max_fraction: float = 0.5,
-                 min_units: int = 1, batch_size: int = 512, verbose: bool = True):
+                 min_units: int = 1, batch_size: int = 512, verbose: bool = True) -> None:
         super().__init__()
         if not (isinstance(threshold, (int, float)) and 0.0 <= threshold < 1.0):
             raise ValueError("NeuronApoptosis: threshold is a relative activity in [0, 1), "
@@ -315,7 +318,7 @@ class NeuronApoptosis(keras.callbacks.Callback):
                              % weighted[-1].name)
         return [by_name[n] for n in self.layer_names]
 
-    def on_train_begin(self, logs=None):
+    def on_train_begin(self, logs: dict | None = None) -> None:
         model = self.model
         if not self._layers:
             self._layers = self._watched(model)
@@ -412,13 +415,13 @@ class NeuronApoptosis(keras.callbacks.Callback):
                     self.params_before, self.params_after))
         return deaths
 
-    def on_epoch_end(self, epoch, logs=None):
+    def on_epoch_end(self, epoch: int, logs: dict | None = None) -> None:
         if epoch + 1 > self.warmup and (epoch + 1 - self.warmup) % self.interval == 0:
             self.check(epoch)
         if logs is not None and self.params_after is not None:
             logs["apoptosis_params"] = float(self.params_after)
 
-    def on_train_end(self, logs=None):
+    def on_train_end(self, logs: dict | None = None) -> None:
         if self.verbose and self.params_before is not None:
             _say("apoptosis: parameters %d before, %d after removing dead units (%.2fx smaller)"
                  % (self.params_before, self.params_after,
@@ -430,6 +433,6 @@ class NeuronApoptosis(keras.callbacks.Callback):
         """Layer name -> boolean array, True = alive."""
         return {name: m > 0.5 for name, m in self.masks.items()}
 
-    def shrink(self, model=None):
+    def shrink(self, model: keras.Model | None = None) -> keras.Model:
         """The physically smaller model (same outputs as the masked one)."""
         return shrink_model(model if model is not None else self.model, self.bool_masks())

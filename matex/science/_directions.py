@@ -17,6 +17,8 @@ weights; the trajectory's coordinates are its projection on them.
 
 from __future__ import annotations
 
+from typing import Sequence
+
 import numpy as np
 
 NORMALIZATIONS = ("filter", None)
@@ -41,7 +43,8 @@ def check_shapes(direction, weights, name: str = "direction") -> list:
     return out
 
 
-def filter_normalize(direction, weights, ignore="biasbn") -> list:
+def filter_normalize(direction: Sequence[np.ndarray], weights: Sequence[np.ndarray],
+                     ignore: str | None = "biasbn") -> list:
     """``direction`` rescaled filter by filter to the norms of ``weights`` (see module doc)."""
     if ignore not in IGNORES:
         raise ValueError("ignore must be 'biasbn' or None, not %r" % (ignore,))

@@ -22,11 +22,15 @@ from __future__ import annotations
 import dataclasses
 import sys
 import time
+from typing import TYPE_CHECKING, Any, Sequence
 
 import numpy as np
 
 from matex import _runtime
 from matex.science import _data, _lanczos, _objective
+
+if TYPE_CHECKING:
+    import keras
 
 PROGRESS_SECONDS = 5.0
 
@@ -66,9 +70,10 @@ class _Progress:
         return product
 
 
-def hessian_eigenvalues(model, data, top_k: int = 1, *, layers=None, n_steps: int | None = None,
+def hessian_eigenvalues(model: keras.Model, data: Any, top_k: int = 1, *,
+                        layers: Sequence[str] | None = None, n_steps: int | None = None,
                         seed: int = 0, batch_size: int = 256, return_vectors: bool = False,
-                        verbose: int = 0):
+                        verbose: int = 0) -> np.ndarray | tuple[np.ndarray, list]:
     """The ``top_k`` largest eigenvalues of the loss's Hessian over all ``data``, descending.
 
     Args:
@@ -127,7 +132,8 @@ class Density:
         return iter((self.grid, self.density))
 
 
-def hessian_density(model, data, n_vectors: int = 8, n_steps: int = 40, *, layers=None,
+def hessian_density(model: keras.Model, data: Any, n_vectors: int = 8, n_steps: int = 40, *,
+                    layers: Sequence[str] | None = None,
                     seed: int = 0, sigma: float | None = None, grid_points: int = 1000,
                     batch_size: int = 256, verbose: int = 0) -> Density:
     """Spectral density of the loss's Hessian by stochastic Lanczos quadrature.
@@ -163,7 +169,8 @@ def hessian_density(model, data, n_vectors: int = 8, n_steps: int = 40, *, layer
     return Density(grid, density, nodes, weights, float(sigma))
 
 
-def hessian_trace(model, data, n_samples: int = 50, *, layers=None, seed: int = 0,
+def hessian_trace(model: keras.Model, data: Any, n_samples: int = 50, *,
+                  layers: Sequence[str] | None = None, seed: int = 0,
                   batch_size: int = 256, verbose: int = 0) -> float:
     """Hutchinson's estimate of the trace of the loss's Hessian (Rademacher vectors)."""
     n_samples = _check_count(n_samples, "n_samples")

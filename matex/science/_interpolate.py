@@ -6,10 +6,15 @@ points are few, so they are not handed out to rank groups as a surface's are.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING, Any, Sequence
+
 import numpy as np
 
 from matex import _runtime
 from matex.science import _data, _directions, _objective
+
+if TYPE_CHECKING:
+    import keras
 
 
 def _weights_of(value, reference, name):
@@ -20,7 +25,9 @@ def _weights_of(value, reference, name):
     return _directions.check_shapes(list(value), reference, name)
 
 
-def interpolate(a, b, data, points: int = 25, *, model=None, alphas=None,
+def interpolate(a: keras.Model | Sequence[np.ndarray], b: keras.Model | Sequence[np.ndarray],
+                data: Any, points: int = 25, *, model: keras.Model | None = None,
+                alphas: Sequence[float] | np.ndarray | None = None,
                 batch_size: int = 256) -> tuple:
     """Losses at ``(1 - alpha) * a + alpha * b`` for alpha in ``alphas`` (collective).
 

@@ -9,7 +9,12 @@ from __future__ import annotations
 
 import os
 
+from typing import TYPE_CHECKING, Sequence
+
 import numpy as np
+
+if TYPE_CHECKING:
+    from matex.science._hessian import Density
 
 KINDS = ("contour", "3d")
 
@@ -26,8 +31,10 @@ def _save(figure, path: str) -> str:
     return path
 
 
-def plot_surface(surface_or_path, path_png: str, kind: str = "contour", trajectory=None,
-                 span=1.0, levels: int = 30, log: bool = False, title: str | None = None,
+def plot_surface(surface_or_path: np.ndarray | str | os.PathLike, path_png: str,
+                 kind: str = "contour", trajectory: np.ndarray | None = None,
+                 span: float | tuple = 1.0, levels: int = 30, log: bool = False,
+                 title: str | None = None,
                  dpi: int = 80) -> str:
     """Plot a loss surface as a contour map or a 3-D surface; return ``path_png``.
 
@@ -88,7 +95,7 @@ def plot_surface(surface_or_path, path_png: str, kind: str = "contour", trajecto
     return _save(figure, path_png)
 
 
-def plot_density(density, path_png: str, log: bool = True, title: str | None = None,
+def plot_density(density: Density, path_png: str, log: bool = True, title: str | None = None,
                  dpi: int = 80) -> str:
     """Plot a ``hessian_density`` result (density against eigenvalue); return ``path_png``."""
     from matplotlib.figure import Figure
@@ -107,7 +114,8 @@ def plot_density(density, path_png: str, log: bool = True, title: str | None = N
     return _save(figure, path_png)
 
 
-def plot_interpolation(alphas, losses, path_png: str, title: str | None = None,
+def plot_interpolation(alphas: Sequence[float] | np.ndarray, losses: Sequence[float] | np.ndarray,
+                       path_png: str, title: str | None = None,
                        dpi: int = 80) -> str:
     """Plot losses along a line between two models (``interpolate``); return ``path_png``."""
     from matplotlib.figure import Figure

@@ -43,6 +43,8 @@ per epoch on rank 0.
 
 from __future__ import annotations
 
+from typing import Any
+
 import keras
 import numpy as np
 import tensorflow as tf
@@ -80,9 +82,9 @@ class SamplePruning(keras.callbacks.Callback):
     Use: ``model.fit(p.dataset(), epochs=..., callbacks=[p])``.
     """
 
-    def __init__(self, data, batch_size: int, margin: float | None = None,
+    def __init__(self, data: Any, batch_size: int, margin: float | None = None,
                  loss_threshold: float | None = None, full_pass_every: int = 4, seed: int = 0,
-                 score_batch_size: int = 1024, verbose: bool = True):
+                 score_batch_size: int = 1024, verbose: bool = True) -> None:
         super().__init__()
         if (margin is None) == (loss_threshold is None):
             raise ValueError("SamplePruning: give exactly one of margin= and loss_threshold=")
@@ -257,13 +259,13 @@ class SamplePruning(keras.callbacks.Callback):
                 flags[start:start + len(local)] = loss < self.loss_threshold
         return flags
 
-    def on_train_begin(self, logs=None):
+    def on_train_begin(self, logs: dict | None = None) -> None:
         # Keras takes an epoch's step count from the first epoch of a fit whose data has no
         # known length and cuts longer later epochs short: start each fit with a full pass
         self._full_at = self._epoch
         self.row_weighted = bool(getattr(self.model, "_matex_weighted", False))
 
-    def on_epoch_end(self, epoch, logs=None):
+    def on_epoch_end(self, epoch: int, logs: dict | None = None) -> None:
         if self._served is None:
             return
         served_epoch, ids = self._served

@@ -33,8 +33,12 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING, Sequence
 
 import numpy as np
+
+if TYPE_CHECKING:
+    import pandas as pd
 
 VARIANTS = ("plain", "apoptosis", "pruning", "both")
 
@@ -234,11 +238,13 @@ def _check(name, seeds, ranks, variants):
     return seeds, ranks, variants
 
 
-def recipe(name: str, seeds=3, ranks=(1, 2), variants=("plain",), out: str = "matex-bench",
+def recipe(name: str, seeds: int | Sequence[int] = 3, ranks: Sequence[int] = (1, 2),
+           variants: Sequence[str] = ("plain",), out: str = "matex-bench",
            epochs: int | None = None, samples: int | None = None,
            batch_size: int | None = None, target: float | None = None,
            threshold: float = 0.1, margin: float = 2.0, full_pass_every: int = 3,
-           timeout: float = 1800, mpi_args=(), verbose: bool = True):
+           timeout: float = 1800, mpi_args: Sequence[str] = (),
+           verbose: bool = True) -> pd.DataFrame:
     """Run recipe ``name`` for every (variant, rank count, seed); return the runs as a DataFrame.
 
     ``seeds``: a count (seeds 0..n-1) or a list. ``ranks``: rank counts, one

@@ -33,6 +33,7 @@ import hashlib
 import os
 import sys
 import time
+from typing import TYPE_CHECKING, Any, Sequence
 
 import numpy as np
 import tensorflow as tf
@@ -42,6 +43,9 @@ from matex._everywhere import on_every_rank
 from matex._workgroups import Client, Groups, Server, WorkQueue
 from matex.science import _data, _directions, _objective
 from matex.science._trajectory import load_trajectory
+
+if TYPE_CHECKING:
+    import keras
 
 PROGRESS_SECONDS = 2.0
 
@@ -61,7 +65,7 @@ def check_resolution(resolution) -> tuple:
     return int(nx), int(ny)
 
 
-def surface_axes(resolution, span=1.0) -> tuple:
+def surface_axes(resolution: int | tuple[int, int], span: float | tuple = 1.0) -> tuple:
     """The grid's coordinates ``(x, y)`` along ``d1`` and ``d2``.
 
     ``span``: a number s (both axes from -s to s) or ``((x0, x1), (y0, y1))``.
@@ -254,9 +258,12 @@ class _Queue(WorkQueue):
               % (filled, self.total, self.done, rate), file=sys.stdout, flush=True)
 
 
-def loss_surface(model, data, directions="random", resolution=(51, 51), span=1.0,
-                 normalization="filter", path: str | None = None, *, ignore="biasbn",
-                 seed: int = 0, trajectory=None, ranks_per_point: int = 1,
+def loss_surface(model: keras.Model, data: Any,
+                 directions: str | tuple[Sequence[np.ndarray], Sequence[np.ndarray]] = "random",
+                 resolution: int | tuple[int, int] = (51, 51), span: float | tuple = 1.0,
+                 normalization: str | None = "filter", path: str | None = None, *,
+                 ignore: str | None = "biasbn", seed: int = 0, trajectory: Any = None,
+                 ranks_per_point: int = 1,
                  batch_size: int = 256, max_points: int | None = None,
                  verbose: int = 1) -> np.ndarray:
     """The compiled loss on a grid around the model's weights (collective over all ranks).

@@ -10,6 +10,9 @@ equal on every rank).
 
 from __future__ import annotations
 
+import os
+from typing import Sequence
+
 import keras
 import numpy as np
 
@@ -29,7 +32,8 @@ class TrajectoryRecorder(keras.callbacks.Callback):
       steps: the global step of each record (0 = before training).
     """
 
-    def __init__(self, path: str | None = None, every="epoch", dtype="float32"):
+    def __init__(self, path: str | None = None, every: str | int = "epoch",
+                 dtype: str = "float32") -> None:
         super().__init__()
         if every != "epoch" and (isinstance(every, bool) or not isinstance(every, int)
                                  or every < 1):
@@ -65,25 +69,25 @@ class TrajectoryRecorder(keras.callbacks.Callback):
             s[-1] = self._step
             self._file.flush()
 
-    def on_train_begin(self, logs=None):
+    def on_train_begin(self, logs: dict | None = None) -> None:
         self._record()
 
-    def on_train_batch_end(self, batch, logs=None):
+    def on_train_batch_end(self, batch: int, logs: dict | None = None) -> None:
         self._step += 1
         if self.every != "epoch" and self._step % self.every == 0:
             self._record()
 
-    def on_epoch_end(self, epoch, logs=None):
+    def on_epoch_end(self, epoch: int, logs: dict | None = None) -> None:
         if self.every == "epoch":
             self._record()
 
-    def on_train_end(self, logs=None):
+    def on_train_end(self, logs: dict | None = None) -> None:
         if self._file is not None:
             self._file.close()
             self._file = None
 
 
-def load_trajectory(source) -> np.ndarray:
+def load_trajectory(source: TrajectoryRecorder | str | os.PathLike | np.ndarray) -> np.ndarray:
     """The ``(records, parameters)`` weights of a ``TrajectoryRecorder``, its file, or an array."""
     if isinstance(source, TrajectoryRecorder):
         return source.weights
@@ -95,7 +99,9 @@ def load_trajectory(source) -> np.ndarray:
     return np.asarray(source)
 
 
-def project_trajectory(trajectory, vectors, origin=None) -> np.ndarray:
+def project_trajectory(trajectory: TrajectoryRecorder | str | os.PathLike | np.ndarray,
+                       vectors: Sequence,
+                       origin: np.ndarray | Sequence | None = None) -> np.ndarray:
     """Coordinates of recorded weights in the span of ``vectors`` around ``origin``.
 
     Args:
