@@ -30,6 +30,10 @@ Three modules, one concept each: this one is the Keras model (stages, data,
 ``_execution`` runs the steps; ``_checkpoints`` writes and reads checkpoints.
 """
 
+from __future__ import annotations
+
+import os
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import keras
@@ -41,6 +45,9 @@ from matex.parallel import _schedule, _stages
 from matex.parallel._checkpoints import PipelineCheckpoints
 from matex.parallel._execution import PipelineExecution, _agreed, _Layout
 from matex.parallel._stages import StageBoundary
+
+if TYPE_CHECKING:
+    from matex.parallel._grid import Grid
 
 
 def _own_copy(shared):
@@ -191,8 +198,9 @@ class PipelineModel(PipelineExecution, PipelineCheckpoints, keras.Model):
     optimizer state to a grid with another data size.
     """
 
-    def __init__(self, model, microbatches: int = 1, schedule: str = "1f1b", grid=None,
-                 stages=None, name=None):
+    def __init__(self, model: keras.Model, microbatches: int = 1, schedule: str = "1f1b",
+                 grid: Grid | None = None, stages: list[str] | int | None = None,
+                 name: str | None = None) -> None:
         super().__init__(name=name or "%s_pipeline" % model.name)
         # a stage lost while the pipeline is set up ends it as one lost in training does
         self._refusing_recovery(lambda: self._construct(model, microbatches, schedule, grid,
@@ -272,7 +280,7 @@ class PipelineModel(PipelineExecution, PipelineCheckpoints, keras.Model):
         shared = keras.Model(inputs, outputs, name="%s_stage%d" % (model.name, k))
         return _own_copy(shared)
 
-    def build(self, input_shape):
+    def build(self, input_shape: tuple) -> None:
         """Build an unbuilt Sequential's stage for inputs of ``input_shape`` (this rank only)."""
         if self.stage is not None:
             self.built = True
@@ -319,13 +327,13 @@ class PipelineModel(PipelineExecution, PipelineCheckpoints, keras.Model):
         # the same root on every rank (the last stage's first data replica and tensor shard)
         return g.world_rank_of(data=0, pipeline=self._layout.pipeline_size - 1, tensor=0)
 
-    def call(self, inputs, training=False):
+    def call(self, inputs: tf.Tensor, training: bool = False) -> tf.Tensor:
         rows = tf.shape(keras.tree.flatten(inputs)[0])[0]
         return self._forward_all(inputs, rows, training)
 
     # ---- compile / fit / evaluate / predict ------------------------------------
 
-    def compile(self, *args, **kwargs):
+    def compile(self, *args: Any, **kwargs: Any) -> None:
         kwargs["jit_compile"] = False   # the p2p ops have no XLA kernels
         super().compile(*args, **kwargs)
         self._matex_explicit = True
@@ -435,7 +443,8 @@ class PipelineModel(PipelineExecution, PipelineCheckpoints, keras.Model):
                                else None, root=0)
         return _SharedOrder(data, batch_size or 32, seed).dataset(), None, None, kwargs
 
-    def fit(self, x=None, y=None, batch_size=None, epochs=1, verbose="auto", **kwargs):
+    def fit(self, x: Any = None, y: Any = None, batch_size: int | None = None, epochs: int = 1,
+            verbose: str | int = "auto", **kwargs: Any) -> keras.callbacks.History:
         self._require_built()
 
         def run():   # the set-up's collectives too: a stage may be lost in any of them
@@ -448,7 +457,8 @@ class PipelineModel(PipelineExecution, PipelineCheckpoints, keras.Model):
 
         return self._refusing_recovery(run)
 
-    def evaluate(self, x=None, y=None, batch_size=None, verbose="auto", **kwargs):
+    def evaluate(self, x: Any = None, y: Any = None, batch_size: int | None = None,
+                 verbose: str | int = "auto", **kwargs: Any) -> float | list | dict:
         self._require_built()
 
         def run():
@@ -460,7 +470,8 @@ class PipelineModel(PipelineExecution, PipelineCheckpoints, keras.Model):
 
         return self._refusing_recovery(run)
 
-    def predict(self, x, batch_size=None, verbose="auto", **kwargs):
+    def predict(self, x: Any, batch_size: int | None = None, verbose: str | int = "auto",
+                **kwargs: Any) -> np.ndarray:
         self._require_built()
 
         def run():
@@ -476,7 +487,7 @@ class PipelineModel(PipelineExecution, PipelineCheckpoints, keras.Model):
         """Bytes of this rank's stage parameters (trainable and not)."""
         return _nbytes(self.stage.variables) if self.stage is not None else 0
 
-    def gather_model(self, root: int = 0):
+    def gather_model(self, root: int = 0) -> keras.Model | None:
         """The whole model, every stage's weights in it, on world rank ``root`` (None elsewhere).
 
         Collective. ``StageBoundary`` layers become ``keras.layers.Identity`` and
@@ -538,7 +549,7 @@ class PipelineModel(PipelineExecution, PipelineCheckpoints, keras.Model):
                 layer.set_weights(weights[layer.name])
         return whole
 
-    def save(self, filepath, overwrite=True, **kwargs):
+    def save(self, filepath: str | os.PathLike, overwrite: bool = True, **kwargs: Any) -> None:
         """Write the whole model (every stage) as one plain Keras file; rank 0 writes.
 
         Collective. Load it anywhere with ``keras.models.load_model`` (no MaTEx

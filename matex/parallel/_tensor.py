@@ -28,11 +28,19 @@ block). Put together, the shards equal an unsharded layer's weights.
 Every layer's ``supports_jit`` is False (the ops have no XLA kernels).
 """
 
+from __future__ import annotations
+
+import os
+from typing import TYPE_CHECKING, Any, Callable
+
 import keras
 import tensorflow as tf
 
 from matex import _compat
 from matex._everywhere import RemoteError, on_every_rank
+
+if TYPE_CHECKING:
+    from matex.parallel._grid import Grid
 
 # The layer classes are registered with Keras (package "matex") when this module is
 # imported, which ``import matex`` arranges as soon as Keras is loaded
@@ -413,7 +421,7 @@ class _ParallelDense(_TensorParallel):
         self.kernel_initializer = keras.initializers.get(kernel_initializer)
         self.bias_initializer = keras.initializers.get(bias_initializer)
 
-    def get_config(self):
+    def get_config(self) -> dict:
         config = super().get_config()
         config.update(units=self.units, activation=keras.activations.serialize(self.activation),
                       use_bias=self.use_bias,
@@ -432,22 +440,23 @@ class ColumnParallelDense(_ParallelDense):
     ``units / T`` features, for a following ``RowParallelDense``.
     """
 
-    def __init__(self, units: int, activation=None, use_bias: bool = True,
-                 kernel_initializer="glorot_uniform", bias_initializer="zeros",
-                 gather_output: bool = True, grid=None, **kwargs):
+    def __init__(self, units: int, activation: str | Callable | None = None,
+                 use_bias: bool = True, kernel_initializer: Any = "glorot_uniform",
+                 bias_initializer: Any = "zeros", gather_output: bool = True,
+                 grid: Grid | None = None, **kwargs: Any) -> None:
         super().__init__(units, activation, use_bias, kernel_initializer, bias_initializer,
                          grid, **kwargs)
         self.local_units = _split(self.units, self.tensor_size, "units", type(self).__name__)
         self.gather_output = gather_output
 
-    def build(self, input_shape):
+    def build(self, input_shape: tuple) -> None:
         in_dim = int(input_shape[-1])
         self.kernel = self._add_sliced("kernel", (in_dim, self.local_units),
                                        self.kernel_initializer, (in_dim, self.units), 1)
         self.bias = self._add_sliced("bias", (self.local_units,), self.bias_initializer,
                                      (self.units,), 0) if self.use_bias else None
 
-    def call(self, inputs):
+    def call(self, inputs: tf.Tensor) -> tf.Tensor:
         x = copy_to_tensor_group(inputs, self._slot)
         y = tf.matmul(x, self.kernel) if len(x.shape) == 2 else tf.tensordot(
             x, self.kernel, axes=1)
@@ -458,11 +467,11 @@ class ColumnParallelDense(_ParallelDense):
             y = gather_from_tensor_group(y, self._slot, self.tensor_size, self.tensor_rank)
         return y
 
-    def compute_output_shape(self, input_shape):
+    def compute_output_shape(self, input_shape: tuple) -> tuple:
         return tuple(input_shape[:-1]) + (
             self.units if self.gather_output else self.local_units,)
 
-    def get_config(self):
+    def get_config(self) -> dict:
         return dict(super().get_config(), gather_output=self.gather_output)
 
 
@@ -478,14 +487,15 @@ class RowParallelDense(_ParallelDense):
     input and slices it.
     """
 
-    def __init__(self, units: int, activation=None, use_bias: bool = True,
-                 kernel_initializer="glorot_uniform", bias_initializer="zeros",
-                 input_is_parallel: bool = True, grid=None, **kwargs):
+    def __init__(self, units: int, activation: str | Callable | None = None,
+                 use_bias: bool = True, kernel_initializer: Any = "glorot_uniform",
+                 bias_initializer: Any = "zeros", input_is_parallel: bool = True,
+                 grid: Grid | None = None, **kwargs: Any) -> None:
         super().__init__(units, activation, use_bias, kernel_initializer, bias_initializer,
                          grid, **kwargs)
         self.input_is_parallel = input_is_parallel
 
-    def build(self, input_shape):
+    def build(self, input_shape: tuple) -> None:
         local = int(input_shape[-1])
         if self.input_is_parallel:
             in_dim = local * self.tensor_size
@@ -498,7 +508,7 @@ class RowParallelDense(_ParallelDense):
         self.bias = self.add_weight(name="bias", shape=(self.units,),
                                     initializer=self.bias_initializer) if self.use_bias else None
 
-    def call(self, inputs):
+    def call(self, inputs: tf.Tensor) -> tf.Tensor:
         x = inputs
         if not self.input_is_parallel:
             x = copy_to_tensor_group(x, self._slot)
@@ -510,10 +520,10 @@ class RowParallelDense(_ParallelDense):
             y = y + self.bias
         return self.activation(y)
 
-    def compute_output_shape(self, input_shape):
+    def compute_output_shape(self, input_shape: tuple) -> tuple:
         return tuple(input_shape[:-1]) + (self.units,)
 
-    def get_config(self):
+    def get_config(self) -> dict:
         return dict(super().get_config(), input_is_parallel=self.input_is_parallel)
 
 
@@ -526,10 +536,12 @@ class ParallelConv2D(_TensorParallel):
     rank's ``filters / T`` channels.
     """
 
-    def __init__(self, filters: int, kernel_size, strides=(1, 1), padding: str = "valid",
-                 dilation_rate=(1, 1), activation=None, use_bias: bool = True,
-                 kernel_initializer="glorot_uniform", bias_initializer="zeros",
-                 gather_output: bool = True, grid=None, **kwargs):
+    def __init__(self, filters: int, kernel_size: int | tuple[int, int],
+                 strides: int | tuple[int, int] = (1, 1), padding: str = "valid",
+                 dilation_rate: int | tuple[int, int] = (1, 1),
+                 activation: str | Callable | None = None, use_bias: bool = True,
+                 kernel_initializer: Any = "glorot_uniform", bias_initializer: Any = "zeros",
+                 gather_output: bool = True, grid: Grid | None = None, **kwargs: Any) -> None:
         super().__init__(grid=grid, **kwargs)
         self.filters = int(filters)
         self.local_filters = _split(self.filters, self.tensor_size, "filters",
@@ -546,7 +558,7 @@ class ParallelConv2D(_TensorParallel):
         self.bias_initializer = keras.initializers.get(bias_initializer)
         self.gather_output = gather_output
 
-    def build(self, input_shape):
+    def build(self, input_shape: tuple) -> None:
         cin = int(input_shape[-1])
         full = self.kernel_size + (cin, self.filters)
         self.kernel = self._add_sliced("kernel", self.kernel_size + (cin, self.local_filters),
@@ -554,7 +566,7 @@ class ParallelConv2D(_TensorParallel):
         self.bias = self._add_sliced("bias", (self.local_filters,), self.bias_initializer,
                                      (self.filters,), 0) if self.use_bias else None
 
-    def call(self, inputs):
+    def call(self, inputs: tf.Tensor) -> tf.Tensor:
         x = copy_to_tensor_group(inputs, self._slot)
         y = tf.nn.conv2d(x, self.kernel, strides=self.strides, padding=self.padding.upper(),
                          dilations=self.dilation_rate)
@@ -565,7 +577,7 @@ class ParallelConv2D(_TensorParallel):
             y = gather_from_tensor_group(y, self._slot, self.tensor_size, self.tensor_rank)
         return y
 
-    def get_config(self):
+    def get_config(self) -> dict:
         config = super().get_config()
         config.update(filters=self.filters, kernel_size=self.kernel_size, strides=self.strides,
                       padding=self.padding, dilation_rate=self.dilation_rate,
@@ -577,8 +589,8 @@ class ParallelConv2D(_TensorParallel):
         return config
 
 
-def shard_layer(layer, grid=None, kind: str = "column", gather_output: bool = True,
-                input_is_parallel: bool = False):
+def shard_layer(layer: keras.layers.Layer, grid: Grid | None = None, kind: str = "column",
+                gather_output: bool = True, input_is_parallel: bool = False) -> keras.layers.Layer:
     """A tensor-parallel copy of a built ``keras.layers.Dense`` or ``Conv2D``.
 
     ``kind="column"`` splits the output features (Dense) or filters (Conv2D);
@@ -634,7 +646,7 @@ def shard_layer(layer, grid=None, kind: str = "column", gather_output: bool = Tr
     return new
 
 
-def parameter_bytes(model) -> int:
+def parameter_bytes(model: keras.Model) -> int:
     """Bytes of the weights this rank holds (a tensor-parallel layer: its shard)."""
     return sum(int(tf.size(w)) * tf.as_dtype(w.dtype).size for w in model.weights)
 
@@ -773,7 +785,8 @@ def stream_gather(comm, root: int, offers, sink, what: str) -> None:
     on_every_rank(comm, report, error_type=ValueError, what=what)
 
 
-def gather_model(model, grid=None, root: int = 0):
+def gather_model(model: keras.Model, grid: Grid | None = None,
+                 root: int = 0) -> keras.Model | None:
     """A plain Keras copy of ``model`` with whole weights, on world rank ``root`` (None elsewhere).
 
     For a (non-pipelined) model holding ``ColumnParallelDense``,
@@ -836,7 +849,8 @@ def gather_model(model, grid=None, root: int = 0):
     return whole
 
 
-def save_model(model, filepath, grid=None, root: int = 0, overwrite: bool = True) -> None:
+def save_model(model: keras.Model, filepath: str | os.PathLike, grid: Grid | None = None,
+               root: int = 0, overwrite: bool = True) -> None:
     """Save a model with tensor-parallel layers as one plain Keras file (``root`` writes).
 
     Collective (see ``gather_model``). The file loads with
