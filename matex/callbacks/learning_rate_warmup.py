@@ -74,11 +74,12 @@ class LearningRateWarmupCallback(keras.callbacks.Callback):
         self._epoch = epoch
 
     def on_train_batch_begin(self, batch: int, logs: dict | None = None) -> None:
-        total = self.warmup_epochs * self.steps_per_epoch
-        done = self._epoch * self.steps_per_epoch + batch + 1
+        steps, base, multiplier = self.steps_per_epoch, self._base, self.multiplier
+        assert steps and base is not None and multiplier is not None   # on_train_begin set them
+        total = self.warmup_epochs * steps
+        done = self._epoch * steps + batch + 1
         fraction = min(1.0, done / total)
-        _set_learning_rate(self.model.optimizer, self._base,
-                           self._base * (1 + (self.multiplier - 1) * fraction))
+        _set_learning_rate(self.model.optimizer, base, base * (1 + (multiplier - 1) * fraction))
 
     def on_epoch_end(self, epoch: int, logs: dict | None = None) -> None:
         if self.verbose and _runtime.rank() == 0 and epoch < self.warmup_epochs:

@@ -50,7 +50,7 @@ class _Totals:
         self.collectives += other.collectives
 
 
-def figures(gathered, global_batch: int, elapsed: float) -> dict:
+def figures(gathered: list, global_batch: int | None, elapsed: float) -> dict:
     """The job's figures from every rank's ``(steps, step_s, collective_s, wait_s)``."""
     steps = max(t[0] for t in gathered)
     if not steps:

