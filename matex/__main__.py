@@ -1,5 +1,8 @@
 """``python -m matex [--all-ranks] script.py [args]``: run a script distributed.
 
+``python -m matex --check [--build]`` checks the installation instead
+(``matex._check``, as ``matexrun --check``).
+
 The script runs as its own ``__main__`` (``sys.argv``, ``__name__`` and exit
 codes behave as when it runs alone). When it imports Keras (``import keras``,
 ``tf.keras``), Keras is made distributed (``matex._keras``). Ranks other
@@ -118,17 +121,27 @@ def _without_startup_notices():
             os.write(2, kept.encode("utf-8"))
 
 
+USAGE = "usage: python -m matex [--all-ranks] script.py [args...] | --check [--build]"
+
+
 def _run(argv):
+    if argv[:1] == ["--check"]:
+        if argv[1:] not in ([], ["--build"]):
+            print(USAGE, file=sys.stderr)
+            return 2
+        from matex import _check
+
+        return _check.main(build=argv[1:] == ["--build"])
     all_ranks = False
     while argv and argv[0].startswith("-"):
         if argv[0] == "--all-ranks":
             all_ranks = True
             argv = argv[1:]
         else:
-            print("usage: python -m matex [--all-ranks] script.py [args...]", file=sys.stderr)
+            print(USAGE, file=sys.stderr)
             return 2
     if not argv:
-        print("usage: python -m matex [--all-ranks] script.py [args...]", file=sys.stderr)
+        print(USAGE, file=sys.stderr)
         return 2
     script = argv[0]
     if not os.path.isfile(script):

@@ -347,6 +347,11 @@ class _Locked:
             self.fd = None
 
 
+def _built(target, products):
+    """``target`` if it holds every one of ``products``, else None."""
+    return target if all((target / p).is_file() for p in products) else None
+
+
 def _build_into(target, products, build):
     """Run ``build(tmpdir)`` unless ``target`` already holds ``products``."""
     if all((target / p).is_file() for p in products):
@@ -376,8 +381,11 @@ def _say(msg):
     print("matex: " + msg, file=sys.stderr, flush=True)
 
 
-def core_dir():
-    """Build (if needed) the core and its pybind11 module; return their directory."""
+def core_dir(build=True):
+    """Build (if needed) the core and its pybind11 module; return their directory.
+
+    ``build=False`` only looks (``matexrun --check``): None when not built yet.
+    """
     src = _source_dir()
     cxx = _compiler()
     libmpi = _loaded_libmpi()
@@ -394,7 +402,7 @@ def core_dir():
     target = build_root() / ("core-" + key)
     products = ["libmatex_core.so", "_matex_core" + ext]
 
-    def build(tmp):
+    def compile_core(tmp):
         started = time.time()
         _say("building the MPI core against %s (one time)..." % libmpi)
         abi = "-D_GLIBCXX_USE_CXX11_ABI=1"
@@ -409,11 +417,16 @@ def core_dir():
             "-L" + str(tmp), "-lmatex_core", "-Wl,-rpath,$ORIGIN"])
         _say("core built in %.1f s" % (time.time() - started))
 
-    return _build_into(target, products, build)
+    if not build:
+        return _built(target, products)
+    return _build_into(target, products, compile_core)
 
 
-def tf_ops_dir():
-    """Build (if needed) the TensorFlow op library; return its directory."""
+def tf_ops_dir(build=True):
+    """Build (if needed) the TensorFlow op library; return its directory.
+
+    ``build=False`` only looks (``matexrun --check``): None when not built yet.
+    """
     import tensorflow as tf
 
     if int(getattr(tf.sysconfig, "CXX11_ABI_FLAG", 1)) != 1:
@@ -421,7 +434,9 @@ def tf_ops_dir():
             "this TensorFlow was built with the pre-C++11 string ABI, which MaTEx's "
             "core does not support; use a TensorFlow wheel from PyPI (2.9 or newer)"
         )
-    core = core_dir()
+    core = core_dir(build)
+    if core is None:
+        return None
     src = _source_dir()
     cxx = _compiler()
     cflags = tf.sysconfig.get_compile_flags()
@@ -430,7 +445,7 @@ def tf_ops_dir():
                 tf.sysconfig.get_include(), cflags, lflags)
     target = build_root() / ("tfops-" + key)
 
-    def build(tmp):
+    def compile_ops(tmp):
         started = time.time()
         _say("building the TensorFlow %s ops (one time, ~20 s)..." % tf.__version__)
         flags = _OPT + cflags + ["-I" + str(src / "core")]
@@ -439,7 +454,9 @@ def tf_ops_dir():
                           ["-L" + str(core), "-lmatex_core", "-Wl,-rpath," + str(core)] + lflags)
         _say("ops built in %.1f s" % (time.time() - started))
 
-    return _build_into(target, ["matex_tf_ops.so"], build)
+    if not build:
+        return _built(target, ["matex_tf_ops.so"])
+    return _build_into(target, ["matex_tf_ops.so"], compile_ops)
 
 
 def _readers_source():
@@ -452,8 +469,10 @@ def _readers_source():
                      "reinstall matex" % here)
 
 
-def csvparse_dir():
+def csvparse_dir(build=True):
     """Build (if needed) the readers' native CSV parser (no MPI, no TensorFlow); its directory.
+
+    ``build=False`` only looks (``matexrun --check``): None when not built yet.
 
     One pybind11 module, ``_matex_csvparse``, keyed like the core by its
     source, the compiler, Python and pybind11.
@@ -469,14 +488,16 @@ def csvparse_dir():
     target = build_root() / ("csvparse-" + key)
     product = "_matex_csvparse" + ext
 
-    def build(tmp):
+    def compile_parser(tmp):
         started = time.time()
         _say("building the native CSV parser (one time)...")
         _run([cxx] + flags + ["-I" + pb_inc, "-I" + py_inc, str(source),
                               "-o", str(tmp / product)])
         _say("CSV parser built in %.1f s" % (time.time() - started))
 
-    return _build_into(target, [product], build)
+    if not build:
+        return _built(target, [product])
+    return _build_into(target, [product], compile_parser)
 
 
 if __name__ == "__main__":

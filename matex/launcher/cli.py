@@ -15,6 +15,7 @@ Beyond one machine (see docs/hpc.md):
     matexrun train.py                             # inside a Slurm allocation:
                                                   # hosts and -n from SLURM_*
     matexrun --dry-run ...                        # print the command, run nothing
+    matexrun --check                              # check the installation (no script)
 
 In a Slurm allocation (``SLURM_JOB_ID`` and ``SLURM_JOB_NODELIST`` set) and
 without ``-H``/``--hostfile``, the allocation's nodes and tasks per node
@@ -212,10 +213,27 @@ def main(argv: Sequence[str] | None = None) -> int:
                              "give --mpi-arg=--bind-to --mpi-arg=core to bind) and, with "
                              "Open MPI 5 and without --all-ranks, relays output as written "
                              "(--output :raw: live progress bars)")
+    parser.add_argument("--check", action="store_true",
+                        help="check the installation instead of running a script: TensorFlow, "
+                             "Keras, the MPI library and its thread level, ULFM, the compiler, "
+                             "the ops' build cache, mpiexec; exit status 1 and the fix when "
+                             "something is wrong (builds nothing, starts no rank)")
+    parser.add_argument("--build", action="store_true",
+                        help="with --check: build the ops now if their cache is cold")
     _add_cluster_options(parser)
-    parser.add_argument("script", help="the Python script to run")
+    parser.add_argument("script", nargs="?", help="the Python script to run")
     parser.add_argument("args", nargs=argparse.REMAINDER, help="the script's arguments")
     opts = parser.parse_args(argv)
+    if opts.build and not opts.check:
+        parser.error("--build goes with --check")
+    if opts.check:
+        if opts.script is not None:
+            parser.error("--check runs no script (got %s)" % opts.script)
+        from matex import _check
+
+        return _check.main(build=opts.build)
+    if opts.script is None:
+        parser.error("the following arguments are required: script (or --check)")
     if opts.nranks is not None and opts.nranks < 1:
         parser.error("-n must be at least 1")
     if not os.path.isfile(opts.script):
