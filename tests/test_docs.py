@@ -3,6 +3,7 @@ the docstrings, and the README stays a front page (issue #26, part 3)."""
 
 import ast
 import html
+import importlib.util
 import re
 import subprocess
 import sys
@@ -21,6 +22,9 @@ def _text(page: Path) -> str:
 
 @pytest.fixture(scope="module")
 def site(tmp_path_factory) -> Path:
+    for module in ("mkdocs", "material", "mkdocstrings_handlers.python"):
+        if importlib.util.find_spec(module.split(".")[0]) is None:
+            pytest.fail(f"{module} is missing: pip install -e '.[docs]' (make test installs it)")
     out = tmp_path_factory.mktemp("site")
     cmd = [sys.executable, "-m", "mkdocs", "build", "--strict", "--site-dir", str(out)]
     proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600)
