@@ -12,12 +12,14 @@ public modules; private modules they import are checked silently
 (``follow_imports = "silent"``), so only the public surface must be clean.
 """
 
+import ast
 import importlib
 import inspect
 import os
 import subprocess
 import sys
 import types
+import typing
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -89,6 +91,57 @@ def public_api():
             yield "%s.%s" % (modname, name), obj
 
 
+def _type_checking_names(module):
+    """The names ``module`` imports under ``if TYPE_CHECKING:`` (annotations only), imported."""
+    names = {}
+    try:
+        tree = ast.parse(inspect.getsource(module))
+    except (OSError, TypeError):        # no source: nothing imported for annotations
+        return names
+    for node in tree.body:
+        if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test):
+            code = compile(ast.Module(body=node.body, type_ignores=[]), module.__name__, "exec")
+            exec(code, names)   # noqa: S102 - the module's own import statements
+    names.pop("__builtins__", None)
+    return names
+
+
+def _functions(obj):
+    """``obj``'s own functions: itself, or a class's public methods and property getters."""
+    if inspect.isfunction(obj):
+        return [obj]
+    out = []
+    for name, member in vars(obj).items():
+        if name.startswith("_") and name not in _PUBLIC_DUNDERS:
+            continue
+        if isinstance(member, (staticmethod, classmethod)):
+            member = member.__func__
+        elif isinstance(member, property):
+            member = member.fget
+        if isinstance(member, types.FunctionType):
+            out.append(member)
+    return out
+
+
+def unresolved_annotations():
+    """Annotations that name nothing (``from __future__ import annotations`` keeps them text,
+    and mypy sees TensorFlow and Keras as Any: a typo such as ``keras.optimizer.Adam`` would
+    pass both)."""
+    out = []
+    for where, obj in public_api():
+        if not (inspect.isclass(obj) or inspect.isfunction(obj)):
+            continue
+        for fn in _functions(obj):
+            fn = inspect.unwrap(fn)
+            module = sys.modules[fn.__module__]
+            namespace = dict(vars(module), **_type_checking_names(module))
+            try:
+                typing.get_type_hints(fn, globalns=namespace)
+            except Exception as exc:    # noqa: BLE001 - reported by name, whatever it is
+                out.append("%s (%s): %s: %s" % (where, fn.__qualname__, type(exc).__name__, exc))
+    return out
+
+
 def missing_annotations():
     out = []
     for where, obj in public_api():
@@ -131,6 +184,11 @@ def test_public_api_is_annotated():
     problems = missing_annotations()
     assert not problems, "%d public functions/methods lack type hints:\n%s" % (
         len(problems), "\n".join(problems))
+
+
+def test_public_annotations_resolve():
+    problems = unresolved_annotations()
+    assert not problems, "annotations naming nothing:\n" + "\n".join(problems)
 
 
 def test_mypy_public_modules():

@@ -17,7 +17,7 @@ Residuals differ per rank, which is fine: the update applied is the same.
 from __future__ import annotations
 
 import weakref
-from typing import TYPE_CHECKING, Sequence
+from typing import TYPE_CHECKING, Callable, Sequence
 
 import tensorflow as tf
 
@@ -156,7 +156,7 @@ class Compressor:
         return memory.values() if memory is not None else []
 
     def recovery_state(self, optimizer: keras.optimizers.Optimizer,
-                       variables: Sequence[tf.Variable]) -> CompressorState:
+                       variables: Callable[[], list[tf.Variable]]) -> CompressorState:
         """This compressor's step state for ``optimizer`` (``CompressorState``), which
         ``DistributedOptimizer`` joins to it: its step count moves when a step commits."""
         return CompressorState(self, lambda: int(optimizer.iterations))
