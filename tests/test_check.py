@@ -165,3 +165,13 @@ def test_matexrun_check_flags_are_checked(argv, message, capsys, monkeypatch):
         main(argv)
     assert exc.value.code == 2
     assert message in capsys.readouterr().err
+
+
+def test_a_cold_build_cache_is_reported_not_built(tmp_path, monkeypatch):
+    monkeypatch.setenv("MATEX_BUILD_DIR", str(tmp_path))
+    items = _check.check_ops(_check._Mpi(), build=False)
+    assert [(i.name, i.status) for i in items] == [("ops", "info"), ("CSV parser", "info")]
+    assert items[0].found.startswith("not built yet for TensorFlow ")
+    assert items[0].found.endswith("(cold cache under %s)" % tmp_path)
+    assert "matexrun --check --build" in items[0].fix
+    assert not list(tmp_path.glob("core-*")) and not list(tmp_path.glob("tfops-*"))  # looked only
