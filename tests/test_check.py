@@ -175,3 +175,14 @@ def test_a_cold_build_cache_is_reported_not_built(tmp_path, monkeypatch):
     assert items[0].found.endswith("(cold cache under %s)" % tmp_path)
     assert "matexrun --check --build" in items[0].fix
     assert not list(tmp_path.glob("core-*")) and not list(tmp_path.glob("tfops-*"))  # looked only
+
+
+def test_an_mpiexec_that_does_not_exist_fails_with_the_fix(monkeypatch):
+    monkeypatch.setenv("MATEX_MPIEXEC", "/nonexistent/mpiexec")
+    mpi = _check._Mpi()
+    items = _check.check_mpiexec(mpi)
+    assert [(i.name, i.status) for i in items] == [("mpiexec", "FAIL")]
+    assert items[0].found == "matexrun uses (MATEX_MPIEXEC) /nonexistent/mpiexec, which is no " \
+                            "executable"
+    assert items[0].fix == "set MATEX_MPIEXEC to the mpiexec of %s (%s/bin/mpiexec), or unset it" \
+        % (mpi.libmpi, mpi.prefix)

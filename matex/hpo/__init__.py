@@ -18,7 +18,7 @@ __all__ = [
     "minimize", "ensemble",
 ]
 
-from matex import _lazy
+from matex import _compat, _lazy
 
 _LAZY = {
     "LazyGP": "matex.hpo._lazy_gp",
@@ -32,4 +32,11 @@ _LAZY = {
 
 
 # keras_tuner, TensorFlow and MPI are imported on first use of a name
-__getattr__, __dir__ = _lazy.attach(__name__, _LAZY, __all__)
+_resolve, __dir__ = _lazy.attach(__name__, _LAZY, __all__)
+
+
+def __getattr__(name: str) -> object:
+    # Keras Tuner and scipy come with the [hpo] extra: a missing one is named with it
+    if name in _LAZY and name != "ensemble":   # ensemble needs Keras only
+        _compat.require_extra(("keras_tuner", "scipy"), "hpo", "matex.hpo." + name)
+    return _resolve(name)

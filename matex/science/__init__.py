@@ -10,6 +10,7 @@ the same arguments. Arrays are the global data set (sharded as ``fit``
 shards it); a dataset from ``matex.readers`` is this rank's share already.
 """
 
+from matex.science import _requires  # noqa: F401 - first: names the extra if scipy/matplotlib lack
 from matex.science._apoptosis import NeuronApoptosis, count_shrunk_params, shrink_model
 from matex.science._directions import filter_normalize
 from matex.science._hessian import Density, hessian_density, hessian_eigenvalues, hessian_trace
