@@ -1,7 +1,8 @@
 """Type hints on every public function and class, and mypy on the public API (issue #26).
 
 ``test_public_api_is_annotated`` walks MaTEx's public API with ``inspect``: every
-name each public module exports (``__all__``, lazy names included), and for a
+name each public module exports (``__all__``, lazy names included) or defines
+without a leading underscore (modules below a public package included), and for a
 class every public method, ``__init__``, ``__call__`` and property defined by
 MaTEx (not inherited from Keras or TensorFlow). Each must annotate every
 parameter and its return. ``self``/``cls`` are exempt; so are ``*args`` and
@@ -16,6 +17,7 @@ import ast
 import importlib
 import inspect
 import os
+import pkgutil
 import subprocess
 import sys
 import types
@@ -75,14 +77,28 @@ def _class_problems(where, cls):
     return out
 
 
+def public_modules():
+    """``PUBLIC_MODULES`` and every module below them with no underscored part
+    (``matex.launcher.hosts``, ``matex.callbacks.monitor``...)."""
+    import matex
+
+    found = list(PUBLIC_MODULES)
+    for info in pkgutil.walk_packages(matex.__path__, "matex."):
+        parts = info.name.split(".")
+        if parts[1] != "keras" and not any(p.startswith("_") for p in parts[1:]):
+            found.append(info.name)
+    return sorted(set(found), key=found.index)
+
+
 def public_api():
-    """``(qualified name, object)`` for every public name of every public module."""
+    """``(qualified name, object)`` for every public name of every public module: its
+    ``__all__`` (lazy names included), and every unprefixed function or class it defines."""
     seen = set()
-    for modname in PUBLIC_MODULES:
+    for modname in public_modules():
         module = importlib.import_module(modname)
-        names = getattr(module, "__all__", None)
-        if names is None:
-            names = [n for n in vars(module) if not n.startswith("_")]
+        names = list(getattr(module, "__all__", ()))
+        names += [n for n, v in vars(module).items() if not n.startswith("_")
+                  and getattr(v, "__module__", None) == modname]
         for name in names:
             obj = getattr(module, name)
             if isinstance(obj, types.ModuleType) or not _own(obj) or id(obj) in seen:
@@ -157,7 +173,8 @@ def test_walker_sees_what_it_should():
     names = dict(public_api())
     for expected in ("matex.allreduce", "matex.DistributedOptimizer", "matex.hpo.minimize",
                      "matex.parallel.Grid", "matex.readers.DataSet", "matex.launcher.main",
-                     "matex.callbacks.MetricAverageCallback", "matex.errors.RankFailure"):
+                     "matex.callbacks.MetricAverageCallback", "matex.errors.RankFailure",
+                     "matex.timeline.parse_steps", "matex.launcher.supervise.job_exit_status"):
         assert expected in names, expected
 
     class Sample:

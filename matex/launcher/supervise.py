@@ -26,7 +26,7 @@ from collections.abc import Iterator, Mapping, Sequence
 
 from matex._config import RELAUNCHED_FROM_VAR, STATUS_DIR_VAR
 from matex.launcher.mpiexec import STARTUP_RETRIES, startup_failed
-from matex._status import (failed_ranks, read_status,  # noqa: F401 - re-exported
+from matex._status import (Status, failed_ranks, read_status,  # noqa: F401 - re-exported
                            report_failure)
 
 
@@ -51,7 +51,8 @@ END_GRACE_S = 20.0
 POLL_S = 0.25
 
 
-def job_exit_status(status, nranks: int, mpiexec_code: int) -> tuple[int, str | None]:
+def job_exit_status(status: Status, nranks: int,
+                    mpiexec_code: int) -> tuple[int, str | None]:
     """``matexrun --ft``'s exit status from the ranks' reports, with the line explaining it.
 
     The rule: 1 when no rank finished its script (every rank failed or was

@@ -34,7 +34,7 @@ _autostarted = False
 _atexit = False
 
 
-def parse_steps(steps):
+def parse_steps(steps: str | int | tuple[int, int] | None) -> tuple[int, int] | None:
     """``"100-120"``, ``(100, 120)``, ``7`` or None -> ``(first, last)`` or None."""
     if steps is None:
         return None
@@ -116,7 +116,7 @@ def requested() -> bool:
     return active() or bool(_config.timeline_dir())
 
 
-def writer():
+def writer() -> Writer | None:
     """The running writer, or None (used by the timeline callback)."""
     return _writer
 
