@@ -187,3 +187,14 @@ def test_an_mpiexec_that_does_not_exist_fails_with_the_fix(monkeypatch):
                             "executable"
     assert items[0].fix == "set MATEX_MPIEXEC to the mpiexec of %s (%s/bin/mpiexec), or unset it" \
         % (mpi.libmpi, mpi.prefix)
+
+
+def test_two_distributions_of_tensorflow_are_a_warning_with_the_fix(monkeypatch):
+    import tensorflow as tf
+
+    monkeypatch.setattr(_check, "_distributions", lambda top: ["tensorflow", "tensorflow-cpu"])
+    item = _check.check_tensorflow()
+    assert item.status == "warn"
+    assert item.found.startswith("%s (tensorflow, tensorflow-cpu, " % tf.__version__)
+    assert "several distributions install the same 'tensorflow' package" in item.fix
+    assert "pip uninstall the one(s) you do not want" in item.fix
