@@ -9,8 +9,10 @@ Tested with Keras ``TESTED_KERAS`` (3.15 here) and TensorFlow 2.21; outside that
 range ``warn_if_untested()`` says so once.
 """
 
+import contextlib
 import importlib
 import warnings
+from typing import Iterator
 
 TESTED_KERAS = ((3, 15), (3, 15))   # inclusive minor-version range tested
 TESTED_TENSORFLOW = ((2, 21), (2, 21))
@@ -51,6 +53,17 @@ REQUIRED = (
     ("keras.src.backend.common.variables", "Variable.__int__"),
     ("keras.src.backend.common.variables", "Variable.__float__"),
     ("tensorflow.python.distribute.distribute_lib", "_get_default_strategy"),
+    # streaming a whole model into one .keras file (keras_file_layout, weightless_build)
+    ("keras.src.saving.saving_lib", "_save_state"),
+    ("keras.src.saving.saving_lib", "_serialize_model_as_json"),
+    ("keras.src.saving.saving_lib", "H5IOStore.__setitem__"),
+    ("keras.src.saving.saving_lib", "DiskIOStore"),
+    ("keras.src.saving.saving_lib", "_VARS_FNAME_H5"),
+    ("keras.src.saving.saving_lib", "_CONFIG_FILENAME"),
+    ("keras.src.saving.saving_lib", "_METADATA_FILENAME"),
+    ("keras.src.saving.saving_lib", "_ASSETS_DIRNAME"),
+    ("keras.src.backend.common.global_state", "set_global_attribute"),
+    ("keras.src.utils.io_utils", "ask_to_proceed_with_overwrite"),
     # keras-tuner (matex.hpo): the tuner's search loop, the oracle's bookkeeping, its JSON writer
     ("keras_tuner.src.engine.base_tuner", "BaseTuner.__init__"),
     ("keras_tuner.src.engine.base_tuner", "BaseTuner.search"),
@@ -436,3 +449,98 @@ def tf_random_seed_module():
     """TensorFlow's ``random_seed`` module: its ``get_seed`` gives every stateful random op
     (``tf.random.normal``, ``tf.nn.dropout``, ...) its seeds when the op is created."""
     return importlib.import_module("tensorflow.python.framework.random_seed")
+
+
+# ---- one .keras file written as a model's weights arrive (matex.parallel.save_model) -------
+# Tested with Keras 3.15: a variable created inside a StatelessScope from a callable
+# initializer is lazy (shape and dtype, no value; Keras lists it in the global
+# "uninitialized_variables" and initialises it when the outermost scope exits), and
+# saving_lib writes a .keras zip as metadata.json, config.json and model.weights.h5 (a
+# "vars" group per saveable holding datasets "0", "1", ... from save_own_variables).
+
+
+@contextlib.contextmanager
+def weightless_build() -> Iterator[None]:
+    """Keras variables created inside have shape and dtype but no value: no memory.
+
+    Keras 3 makes a variable lazy when it is created in a ``StatelessScope`` from
+    an initializer; the scope's own initialisation on exit is skipped, and the
+    variables are taken off Keras's list of ones to initialise later, so nothing
+    fills them. Reading one gives a fresh draw of its initializer: build a model
+    here only for its structure and its variables' shapes (``keras_file_layout``).
+    """
+    import keras
+    from keras.src.backend.common import global_state
+
+    key = "uninitialized_variables"
+    before = list(global_state.get_global_attribute(key, [], set_to_default=True))
+    try:
+        with keras.StatelessScope(initialize_variables=False):
+            yield
+    finally:
+        global_state.set_global_attribute(key, before)
+
+
+def keras_file_layout(model, archive, h5_path: str) -> tuple:
+    """Write ``model``'s ``.keras`` file, all but its weight values, as ``model.save`` would.
+
+    ``archive``: an open ``zipfile.ZipFile`` (mode "w"): gets ``metadata.json``,
+    ``config.json`` and any assets exactly as Keras writes them. The weights' HDF5
+    file is made at ``h5_path`` by Keras's own saving walk, each variable's dataset
+    created with its shape and dtype but not written (the model may be built
+    weightless, ``weightless_build``). Returns ``(h5_file, [(variable, dataset)],
+    member)``: fill the datasets, close ``h5_file``, then add ``h5_path`` to the
+    archive as ``member``. A layer that saves a computed value instead of its
+    variable (a LoRA-merged kernel, a quantized one) is refused (ValueError).
+    """
+    import numpy as np
+    from keras.src.saving import saving_lib
+
+    variable_class = keras_variable_class()
+
+    class LayoutStore(saving_lib.H5IOStore):
+        """Keras's H5 store, creating each variable's dataset empty and recording it."""
+
+        datasets: list
+
+        def __setitem__(self, key, value):
+            if not self._h5_entry_initialized:
+                self._create_h5_group(self._h5_entry_path)
+            if not isinstance(value, variable_class):
+                raise ValueError(
+                    "the layer at %r saves a computed value under %r, not a variable, so "
+                    "its file cannot be written as its weights arrive"
+                    % (self._h5_entry_path or "/", key))
+            dtype = value.dtype
+            if dtype == "bfloat16":
+                import ml_dtypes
+                dataset = self._h5_entry_group.create_dataset(
+                    key, shape=tuple(value.shape), dtype=ml_dtypes.bfloat16)
+                dataset.attrs["dtype"] = "bfloat16"
+            else:
+                dataset = self._h5_entry_group.create_dataset(
+                    key, shape=tuple(value.shape), dtype=np.dtype(dtype))
+            self.datasets.append((value, dataset))
+
+    config_json, metadata_json = saving_lib._serialize_model_as_json(model)
+    with archive.open(saving_lib._METADATA_FILENAME, "w") as f:
+        f.write(metadata_json.encode())
+    with archive.open(saving_lib._CONFIG_FILENAME, "w") as f:
+        f.write(config_json.encode())
+    store = LayoutStore(h5_path, mode="w")
+    store.datasets = []
+    assets = saving_lib.DiskIOStore(saving_lib._ASSETS_DIRNAME, archive=archive, mode="w")
+    try:
+        saving_lib._save_state(model, weights_store=store, assets_store=assets,
+                               inner_path="", visited_saveables=set())
+    except BaseException:
+        store.close()
+        raise
+    finally:
+        assets.close()
+    return store.h5_file, store.datasets, saving_lib._VARS_FNAME_H5
+
+
+def ask_to_overwrite(filepath: str) -> bool:
+    """Keras's own prompt before ``model.save(..., overwrite=False)`` replaces a file."""
+    return _resolve("keras.src.utils.io_utils", "ask_to_proceed_with_overwrite")(filepath)

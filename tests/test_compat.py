@@ -62,3 +62,51 @@ def test_keras_tuner_internals_exist_on_a_fresh_oracle(tmp_path):
     oracle._set_project_dir(str(tmp_path), "compat")
     for name in _compat.ORACLE_ATTRIBUTES:
         assert hasattr(oracle, name), name
+
+
+def test_a_weightless_model_writes_the_file_keras_writes(tmp_path):
+    """matex.parallel's streamed save: a model built in weightless_build has variables
+    without values (Keras's lazy variables), and keras_file_layout writes the .keras file
+    model.save writes (members, config, HDF5 groups, dataset shapes and attributes) once
+    its datasets are filled: plain load_model reads it and predicts the same."""
+    import re
+    import zipfile
+
+    import h5py
+
+    def make():
+        return keras.Sequential([keras.Input((5,), name="x"), keras.layers.Dense(7, name="a"),
+                                 keras.layers.BatchNormalization(name="bn"),
+                                 keras.layers.Dense(3, name="b")], name="m")
+
+    model = make()
+    model.save(tmp_path / "keras.keras")
+    with _compat.weightless_build():
+        lazy = make()
+    assert [tuple(v.shape) for v in lazy.weights] == [tuple(v.shape) for v in model.weights]
+    assert all(v._value is None for v in lazy.weights)      # no memory behind them
+    h5_path = str(tmp_path / "weights.h5")
+    with zipfile.ZipFile(tmp_path / "matex.keras", "w") as archive:
+        h5, pairs, member = _compat.keras_file_layout(lazy, archive, h5_path)
+        value = {id(w): v for w, v in zip(lazy.weights, model.weights)}
+        for variable, dataset in pairs:
+            dataset[...] = np.asarray(value[id(variable)])
+        h5.close()
+        archive.write(h5_path, member)
+
+    def contents(path):
+        with zipfile.ZipFile(path) as archive:
+            names = archive.namelist()
+            # the same config but for the id Keras gives each shared object
+            config = re.sub(rb'"shared_object_id": \d+', b"", archive.read("config.json"))
+            with archive.open("model.weights.h5") as f, h5py.File(f) as h5:
+                items = []
+                h5.visititems(lambda name, obj: items.append(
+                    (name, dict(obj.attrs), getattr(obj, "shape", None),
+                     getattr(obj, "dtype", None))))
+        return names, config, items
+
+    assert contents(tmp_path / "matex.keras") == contents(tmp_path / "keras.keras")
+    x = np.random.default_rng(0).normal(size=(4, 5)).astype("float32")
+    loaded = keras.models.load_model(tmp_path / "matex.keras")
+    np.testing.assert_array_equal(loaded.predict(x, verbose=0), model.predict(x, verbose=0))

@@ -505,6 +505,25 @@ class PipelineModel(PipelineExecution, PipelineCheckpoints, keras.Model):
         self._require_built()
         L = self._layout
         what = "matex.parallel: gathering the pipeline"
+        offers = self._offers()
+        # root builds the plain model, then receives it weight by weight (one at a time)
+        whole = on_every_rank(L.control, lambda: self._assembled({})
+                              if L.world_rank == root else None,
+                              error_type=ValueError, what=what)
+
+        def sink(key, value):
+            whole.get_layer(key[0]).weights[key[1]].assign(value)
+
+        _tensor.stream_gather(L.control, root, offers, sink, what)
+        return whole
+
+    def _offers(self):
+        """This rank's pieces of the whole model, keyed ``(layer name, weight index)``
+        (data replica 0 gives them); collective: an error anywhere is a ValueError
+        on every rank."""
+        from matex.parallel import _tensor
+
+        L = self._layout
 
         def collect():
             offers = []
@@ -523,17 +542,8 @@ class PipelineModel(PipelineExecution, PipelineCheckpoints, keras.Model):
             return offers
 
         # every rank raises the same error (ValueError) if collecting failed anywhere
-        offers = on_every_rank(L.control, collect, error_type=ValueError, what=what)
-        # root builds the plain model, then receives it weight by weight (one at a time)
-        whole = on_every_rank(L.control, lambda: self._assembled({})
-                              if L.world_rank == root else None,
-                              error_type=ValueError, what=what)
-
-        def sink(key, value):
-            whole.get_layer(key[0]).weights[key[1]].assign(value)
-
-        _tensor.stream_gather(L.control, root, offers, sink, what)
-        return whole
+        return on_every_rank(L.control, collect, error_type=ValueError,
+                             what="matex.parallel: gathering the pipeline")
 
     def _assembled(self, weights):
         """The whole model as plain Keras, with ``weights`` (layer name -> arrays)."""
@@ -553,10 +563,24 @@ class PipelineModel(PipelineExecution, PipelineCheckpoints, keras.Model):
         """Write the whole model (every stage) as one plain Keras file; rank 0 writes.
 
         Collective. Load it anywhere with ``keras.models.load_model`` (no MaTEx
-        needed). The optimizer state is not saved. Raises on every rank if gathering
-        failed (ValueError) or writing did (a ``RuntimeError``: ``MatexError``,
-        naming rank 0 and its error).
+        needed). The optimizer state is not saved. Rank 0 never holds the whole
+        model: it builds it weightless, writes the file's layout and then each
+        weight as it arrives (``_streamsave``; a file object, a remote URL or
+        other ``keras.Model.save`` options save from a gathered model instead).
+        Raises on every rank if gathering failed (ValueError) or writing did (a
+        ``RuntimeError``: ``MatexError``, naming rank 0 and its error).
         """
+        from matex.parallel import _streamsave
+
+        if _streamsave.streamable(filepath, **kwargs):
+            # rank 0 builds the model weightless and writes each weight as it arrives
+            self._require_built()
+            L = self._layout
+            _streamsave.save_streamed(
+                L.control, 0, lambda: self._assembled({}), self._offers(),
+                lambda whole, key: whole.get_layer(key[0]).weights[key[1]], filepath,
+                overwrite, "matex.parallel: gathering the pipeline")
+            return
         whole = self.gather_model(0)   # collective; an error is raised on every rank
 
         def write():

@@ -695,7 +695,7 @@ def _numpy(variable):
     return np.asarray(variable)
 
 
-def stream_gather(comm, root: int, offers, sink, what: str) -> None:
+def stream_gather(comm, root: int, offers, sink, what: str, part_sink=None) -> None:
     """Hand ``root`` every weight, whole, one at a time: ``sink(key, array)`` there.
 
     Collective over the mpi4py ``comm``. ``offers``: this rank's
@@ -708,7 +708,10 @@ def stream_gather(comm, root: int, offers, sink, what: str) -> None:
     tensor rank and pickled gather of every stage are gone). Shared by
     ``gather_model`` and ``PipelineModel.gather_model``. An error anywhere (a
     missing piece, ``sink`` on root) is raised on every rank, after the
-    transfers (no rank is left waiting).
+    transfers (no rank is left waiting). With ``part_sink``, root never joins
+    the pieces: ``part_sink(key, axis, offset, piece)`` takes each as it
+    arrives (``offset`` along ``axis``; axis None for a whole weight), so root's
+    peak is one piece (``save_model`` writes it straight into the file).
     """
     import numpy as np
 
@@ -769,6 +772,20 @@ def stream_gather(comm, root: int, offers, sink, what: str) -> None:
                 send(piece(key, part))
         if me != root:
             continue
+        if part_sink is not None:
+            offset = 0
+            for part, rank in enumerate(ranks):
+                value = piece(key, part) if rank == me else receive(rank)
+                if failure or value is None:
+                    continue             # keep receiving: the senders must not wait
+                try:
+                    part_sink(key, axis, offset, value)
+                except Exception as exc:  # noqa: BLE001 - raised on every rank below
+                    failure.append(exc)
+                if axis is not None:
+                    offset += value.shape[axis]
+                del value
+            continue
         pieces = [piece(key, part) if rank == me else receive(rank)
                   for part, rank in enumerate(ranks)]
         if failure or any(p is None for p in pieces):
@@ -800,14 +817,34 @@ def gather_model(model: keras.Model, grid: Grid | None = None,
     ``root`` is a rank of the grid's ``world_comm``. For a ``PipelineModel`` use
     its own ``save``.
     """
+    grid, clone, offers = _plain_plan(model, grid, "gather_model")
+    world = grid.world_comm
+    keep = world.Get_rank() == root
+    what = "matex.parallel: gathering %s" % model.name
+
+    def skeleton():
+        # root builds the plain model (weights still its own initial ones)
+        return keras.models.clone_model(model, clone_function=clone) if keep else None
+
+    whole = on_every_rank(world, skeleton, error_type=ValueError, what=what)
+
+    def sink(key, value):
+        whole.layers[key[0]].weights[key[1]].assign(value)
+
+    stream_gather(world, root, offers, sink, what)
+    return whole
+
+
+def _plain_plan(model, grid, caller: str):
+    """Check ``model`` can be gathered (on every rank); its grid, the layer clone for the
+    plain model, and this rank's ``weight_offers`` keyed ``(layer index, weight index)``."""
     from matex.parallel import _grid
 
     grid = grid if grid is not None else _grid.current()
     if grid is None:
-        raise ValueError("gather_model: no grid: open one with matex.parallel.grid(...) or "
-                         "pass grid=")
+        raise ValueError("%s: no grid: open one with matex.parallel.grid(...) or "
+                         "pass grid=" % caller)
     world = grid.world_comm
-    keep = world.Get_rank() == root
     what = "matex.parallel: gathering %s" % model.name
 
     def check():
@@ -833,20 +870,10 @@ def gather_model(model: keras.Model, grid: Grid | None = None,
             return cls.from_config(config)
         return layer.__class__.from_config(layer.get_config())
 
-    def skeleton():
-        # root builds the plain model (weights still its own initial ones)
-        return keras.models.clone_model(model, clone_function=clone) if keep else None
-
-    whole = on_every_rank(world, skeleton, error_type=ValueError, what=what)
     offers = []
     for index, layer in enumerate(model.layers):
         offers.extend(weight_offers(layer, (index,)))
-
-    def sink(key, value):
-        whole.layers[key[0]].weights[key[1]].assign(value)
-
-    stream_gather(world, root, offers, sink, what)
-    return whole
+    return grid, clone, offers
 
 
 def save_model(model: keras.Model, filepath: str | os.PathLike, grid: Grid | None = None,
@@ -855,17 +882,27 @@ def save_model(model: keras.Model, filepath: str | os.PathLike, grid: Grid | Non
 
     Collective (see ``gather_model``). The file loads with
     ``keras.models.load_model`` in one process, without MaTEx. The optimizer
-    state is not saved. Raises ``RuntimeError`` (a ``MatexError`` naming the root and
-    its error) on every rank if writing failed.
+    state is not saved. Root never holds the whole model: it builds the plain
+    model weightless, writes the file's layout, and writes each weight into it
+    as it arrives (``_streamsave``), so its peak is about one weight. Raises
+    ``RuntimeError`` (a ``MatexError`` naming the root and its error) on every
+    rank if writing failed.
     """
-    from matex.parallel import _grid
+    from matex.parallel import _grid, _streamsave
 
-    whole = gather_model(model, grid, root)
-    grid = grid if grid is not None else _grid.current()
+    if not _streamsave.streamable(filepath):   # a file object, a remote URL: Keras saves it
+        whole = gather_model(model, grid, root)
+        grid = grid if grid is not None else _grid.current()
 
-    def write():
-        if whole is not None:
-            whole.save(filepath, overwrite=overwrite)
+        def write():
+            if whole is not None:
+                whole.save(filepath, overwrite=overwrite)
 
-    on_every_rank(grid.world_comm, write, error_type=RemoteError,
-                  what="matex.parallel: saving %s" % (filepath,))
+        on_every_rank(grid.world_comm, write, error_type=RemoteError,
+                      what="matex.parallel: saving %s" % (filepath,))
+        return
+    grid, clone, offers = _plain_plan(model, grid, "save_model")
+    _streamsave.save_streamed(
+        grid.world_comm, root, lambda: keras.models.clone_model(model, clone_function=clone),
+        offers, lambda whole, key: whole.layers[key[0]].weights[key[1]], filepath, overwrite,
+        "matex.parallel: gathering %s" % model.name)

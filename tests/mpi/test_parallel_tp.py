@@ -423,3 +423,47 @@ def test_gather_model_streams_weights_to_root():
             _tensor.stream_gather(world, 0, partial, lambda key, v: None, "t")
         # the communicator is still in step: a plain gather works after the errors
         _tensor.stream_gather(world, 0, offers, lambda key, v: None, "t")
+
+
+def test_save_model_streams_into_the_file_without_the_whole_model(tmp_path):
+    """mp.save_model: rank 0 builds the plain model weightless and writes each shard into
+    the file as it arrives, so its peak growth is about one shard, not the model (before:
+    it built and held the whole plain model, 128 MiB of weights plus the initialisers'
+    draws: 320 MiB growth for this model). The file loads with plain Keras, with every
+    shard in place. Writing to a missing directory is one RemoteError on every rank."""
+    from matex.errors import MatexError
+
+    d = 4096
+    with mp.grid(tensor=T) as g:
+        model = keras.Sequential([
+            keras.Input((d,)),
+            mp.ColumnParallelDense(d, kernel_initializer=_init(30), gather_output=False,
+                                   grid=g, name="col"),
+            mp.RowParallelDense(d, kernel_initializer=_init(31), grid=g, name="row")])
+        path = gather(str(tmp_path / "big.keras"))[0]
+        mp.save_model(model, path)               # warm up (imports, h5py, zipfile)
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+        base = _memory_kib("VmRSS:")
+        mp.save_model(model, path)
+        grown = (_memory_kib("VmHWM:") - base) * 1024
+        # an unwritable path: the same error on every rank, no partial file, still in step
+        bad = str(tmp_path / "missing" / "big.keras")
+        with pytest.raises(MatexError, match=r"matex.parallel: saving .*missing.*rank 0: "
+                                             r"FileNotFoundError"):
+            mp.save_model(model, bad)
+        assert g.world_comm.allgather(grown) and not (tmp_path / "missing").exists()
+        print("save_model peak growth, world rank %d: %.1f MiB"
+              % (g.world_rank, grown / 2 ** 20))
+        weight_bytes = d * d * 4                 # one kernel; the model is two (128 MiB)
+        if g.world_rank == 0:                    # (no collective below: rank 0 may fail alone)
+            # one shard is weight_bytes / T (32 MiB): allow it, its copy and h5py's buffers
+            assert grown < 0.75 * weight_bytes, grown / 2 ** 20
+            whole = keras.models.load_model(path)
+            assert [type(layer).__name__ for layer in whole.layers] == ["Dense", "Dense"]
+            np.testing.assert_array_equal(whole.get_layer("col").kernel.numpy(),
+                                          np.asarray(_init(30)((d, d))))
+            np.testing.assert_array_equal(whole.get_layer("row").kernel.numpy(),
+                                          np.asarray(_init(31)((d, d))))
+            np.testing.assert_array_equal(whole.get_layer("row").bias.numpy(), np.zeros(d))
+            del whole
