@@ -3,11 +3,16 @@
     mpiexec -n 4 python examples/tune_minimize.py            # 4 trials at a time
     matexrun -n 4 examples/tune_minimize.py
 
+Rank 0 prints the best point found, e.g.
+``best x1=3.1416 x2=2.2750: 0.39789 (the optimum is 0.39789)``; ``--trials``
+sets the budget (default 40).
+
 ``fn(hp, comm)`` runs on every rank of a group (here ``ranks_per_trial=2``:
 two groups of two); ``comm`` is the group's mpi4py communicator, so a trial
 can split its own work. The answer is the same on every rank.
 """
 
+import argparse
 import math
 
 import keras_tuner as kt
@@ -26,6 +31,9 @@ def branin(hp, comm):
         10 * (1 - 1 / (8 * math.pi)) * math.cos(x1) + 10)
 
 
+parser = argparse.ArgumentParser(description="matex.hpo.minimize on the Branin function")
+parser.add_argument("--trials", type=int, default=40, help="function evaluations")
+args = parser.parse_args()
 space = kt.HyperParameters()
 space.Float("x1", -5.0, 10.0)
 space.Float("x2", 0.0, 15.0)
@@ -34,7 +42,7 @@ try:
     hpo.LazyBayesianOracle   # noqa: B018 - MaTEx's GP oracle, when installed
 except (ImportError, AttributeError):
     oracle = "random"
-best, value = hpo.minimize(branin, space, oracle=oracle, max_trials=40, ranks_per_trial=2,
+best, value = hpo.minimize(branin, space, oracle=oracle, max_trials=args.trials, ranks_per_trial=2,
                            seed=0)
 from mpi4py import MPI  # noqa: E402 - print once
 
