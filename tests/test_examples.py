@@ -125,7 +125,7 @@ def _example(name):
 
 
 def test_readers_example(tmp_path):
-    out = _run(["-n", "2", _example("readers_train.py"), "--rows", "512", "--epochs", "3"],
+    out = _run(["-n", "2", _example("readers_train.py"), "--rows", "512", "--epochs", "2"],
                tmp_path)
     lines = {line.split()[0]: line for line in out.splitlines()
              if line.split()[:1] in (["hdf5"], ["csv"], ["netcdf"])}
@@ -164,7 +164,7 @@ def test_tensor_parallel_example(tmp_path):
 
 def test_communicate_less_example(tmp_path):
     out = _run(["-n", "2", _example("communicate_less.py"), "--methods", "topk,localsgd",
-                "--rows", "512", "--epochs", "2"], tmp_path)
+                "--rows", "512", "--epochs", "1"], tmp_path)
     rows = {m.group(1): (float(m.group(2)), float(m.group(3)), m.group(4)) for m in re.finditer(
         r"^(\w+) +bytes/step +\d+ \(([\d.]+)x dense\)  accuracy ([\d.]+)  weights equal: (\w+)$",
         out, re.M)}
@@ -204,7 +204,7 @@ def test_tune_minimize_example(tmp_path):
 
 def test_tune_keras_tuner_example(tmp_path):
     out = _run(["-n", "4", "--ranks-per-trial", "2", _example("tune_keras_tuner.py"),
-                "--trials", "2", "--epochs", "2"], tmp_path)
+                "--trials", "2", "--epochs", "1"], tmp_path)
     assert len(re.findall(r"^best hyperparameters: \{'layers': [123], ", out, re.M)) == 1, out
     accuracy = re.findall(r"^its validation accuracy: ([\d.]+)$", out, re.M)
     assert len(accuracy) == 1 and float(accuracy[0]) > 0.6, out   # two classes
