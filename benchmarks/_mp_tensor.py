@@ -17,12 +17,15 @@ activation allreduce; the backward one, of the block's input gradient, is
 pruned by TensorFlow because the input is data), plus the
 parameter bytes each rank holds, the peak resident growth per rank while the
 model's weights are created (the slowest rank), and, for tensor, the peak
-growth of ``gather_model`` on rank 0 and on the other rank. Every rank uses one
-TensorFlow thread.
+growth of ``gather_model`` on rank 0 and on the other rank, and of
+``save_model`` on each rank (streamed into the file) against the previous save
+(``gather_model``, then ``keras.Model.save`` on rank 0), as a ratio of the
+plain model's weight bytes. Every rank uses one TensorFlow thread.
 """
 
 import os
 import statistics
+import tempfile
 import time
 
 import _common
@@ -92,7 +95,21 @@ def worker(args):
         peaks = world.allgather(_peak_growth(base))
         result["gather_peak_root_bytes"] = peaks[0]
         result["gather_peak_other_bytes"] = max(peaks[1:] or [0])
+        if whole is not None:
+            # the previous save_model: gather_model, then keras.Model.save on rank 0 (the
+            # same base: the gather's growth included)
+            with tempfile.TemporaryDirectory() as directory:
+                whole.save(os.path.join(directory, "whole.keras"))
+                result["whole_save_peak_bytes"] = _peak_growth(base)
         del whole
+        # saving it as one .keras file, streamed into the file (rank 0 never holds the model)
+        with tempfile.TemporaryDirectory() as directory:
+            path = world.bcast(os.path.join(directory, "tp.keras"), root=0)
+            base = _reset_peak()
+            mp.save_model(model, path, grid)
+            peaks = world.allgather(_peak_growth(base))
+        result["save_peak_bytes"] = peaks
+        result["model_bytes"] = 4 * (d * 4 * d + 4 * d + 4 * d * d + d)   # the plain model
     rank = world.Get_rank()
     if grid is not None:
         grid.close()
@@ -149,6 +166,16 @@ def section(script, args, results):
           "%.1f MB on the other rank.\n"
           % (tp["gather_peak_root_bytes"] / 1e6, 2 * tp["parameter_bytes"] / 1e6,
              tp["gather_peak_other_bytes"] / 1e6))
+    saved = tp["save_peak_bytes"]
+    print("Saving it as one .keras file (mp.save_model: rank 0 builds the plain model "
+          "weightless and writes each shard into the file as it arrives): peak growth per "
+          "rank %s MB for %.1f MB of weights (%s x the weights); keras.Model.save of the "
+          "gathered model on rank 0 (the previous save: gather_model, then Model.save): "
+          "%.1f MB (%.2f x)."
+          "\n" % (" / ".join("%.1f" % (b / 1e6) for b in saved), tp["model_bytes"] / 1e6,
+                  " / ".join("%.2f" % (b / tp["model_bytes"]) for b in saved),
+                  tp["whole_save_peak_bytes"] / 1e6,
+                  tp["whole_save_peak_bytes"] / tp["model_bytes"]))
     expect = 4 * batch * width   # the forward allreduce of batch x width float32
     print("Expected tensor-parallel payload: one allreduce of %d x %d float32 = %.2f MB per step "
           "(the backward one, of the block's input gradient, is pruned: the input is data); "

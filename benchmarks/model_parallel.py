@@ -17,10 +17,11 @@ gradients + two moments = 4 W per full replica) on R ranks, as R pipeline
 stages (an unbuilt Sequential: each rank builds only its stage) against R
 data-parallel replicas. Per rank: the peak resident memory grown while
 building and training (Linux VmHWM, reset through /proc/self/clear_refs after
-TensorFlow and MaTEx have started). The cap is 3 W over that start: data
-parallelism (>= 4 W) must exceed it, the pipeline (4 W / R + activations and
-TensorFlow's tracing, ~200 MB per rank here) must fit under it. The cap is
-checked, not enforced (RLIMIT_AS would also count TensorFlow's reserved but
+TensorFlow and MaTEx have started), and, for the pipeline, while ``save``
+writes the whole model as one ``.keras`` file (reset again before it). The cap
+is 3 W over that start: data parallelism (>= 4 W) must exceed it, the pipeline
+(4 W / R + activations and TensorFlow's tracing, ~200 MB per rank here) must
+fit under it. The cap is checked, not enforced (RLIMIT_AS would also count TensorFlow's reserved but
 untouched address space).
 
 **tensor**: a 2-way ``ColumnParallelDense`` + ``RowParallelDense`` split
@@ -169,6 +170,26 @@ def worker_memory(args):
         for _ in range(3):
             pm.train_on_batch(x, y)
         held = pm.stage_bytes()
+        grown = (_peak_kb() - start) * 1024
+        # saving the whole model as one .keras file: rank 0 writes each stage's weights as
+        # they arrive (never the whole model); each rank's peak growth during the save
+        import tempfile
+        with tempfile.TemporaryDirectory() as directory:
+            path = comm.bcast(os.path.join(directory, "pipeline.keras"), root=0)
+            with open("/proc/self/clear_refs", "w") as refs:
+                refs.write("5")
+            before = _rss_kb()
+            pm.save(path)
+            saved = (_peak_kb() - before) * 1024
+            # the previous save, for comparison: gather the whole model on rank 0, then
+            # keras.Model.save (what an extra save option, here zipped=True, still does)
+            with open("/proc/self/clear_refs", "w") as refs:
+                refs.write("5")
+            before = _rss_kb()
+            pm.save(path, zipped=True)
+            gathered = (_peak_kb() - before) * 1024
+        save_peaks = comm.allgather(saved)
+        gathered_save_peaks = comm.allgather(gathered)
     else:
         model.build((None, width))
         model.compile(optimizer=matex.DistributedOptimizer(keras.optimizers.Adam(1e-4)),
@@ -178,10 +199,12 @@ def worker_memory(args):
         for _ in range(3):
             model.train_on_batch(x[r * n:(r + 1) * n], y[r * n:(r + 1) * n])
         held = sum(int(np.prod(v.shape)) * 4 for v in model.weights)
-    grown = (_peak_kb() - start) * 1024
+        save_peaks = gathered_save_peaks = None
+        grown = (_peak_kb() - start) * 1024
     result = {"mode": args.mode, "ranks": R, "model_bytes": whole,
               "peak_growth_bytes": max(comm.allgather(grown)),
-              "parameter_bytes_per_rank": max(comm.allgather(held))}
+              "parameter_bytes_per_rank": max(comm.allgather(held)),
+              "save_peak_bytes": save_peaks, "gathered_save_peak_bytes": gathered_save_peaks}
     _common.emit(result, comm.Get_rank())
 
 
@@ -252,6 +275,17 @@ def main():
                              "peak growth per rank", "cap", "under cap",
                              "peak / model"], rows))
         print()
+        pipe = results["memory_pipeline"]
+        print("Saving the pipeline as one .keras file (PipelineModel.save: rank 0 builds the "
+              "whole model weightless and writes each weight into the file as it arrives): "
+              "peak growth per rank %s MB for %s of weights (%s x the weights; one layer's "
+              "kernel is %s); the previous save (the whole model gathered on rank 0, then "
+              "keras.Model.save; still used for extra save options): %s MB.\n"
+              % (" / ".join("%.1f" % (b / 1e6) for b in pipe["save_peak_bytes"]),
+                 _mb(pipe["model_bytes"]),
+                 " / ".join("%.2f" % (b / pipe["model_bytes"]) for b in pipe["save_peak_bytes"]),
+                 _mb(4 * width * width),
+                 " / ".join("%.1f" % (b / 1e6) for b in pipe["gathered_save_peak_bytes"])))
         print(_common.target("pipeline fits under the cap, data parallel does not",
                              fits["pipeline"] and not fits["data"],
                              "pipeline %s, data %s" % (fits["pipeline"], fits["data"])))

@@ -490,8 +490,10 @@ def keras_file_layout(model, archive, h5_path: str) -> tuple:
     created with its shape and dtype but not written (the model may be built
     weightless, ``weightless_build``). Returns ``(h5_file, [(variable, dataset)],
     member)``: fill the datasets, close ``h5_file``, then add ``h5_path`` to the
-    archive as ``member``. A layer that saves a computed value instead of its
-    variable (a LoRA-merged kernel, a quantized one) is refused (ValueError).
+    archive as ``member``. Arrays saved outside the model's layers (a compiled
+    model's optimizer saves its variables as numpy) are written at once; a layer
+    that saves a computed value instead of its variable (a LoRA-merged kernel, a
+    quantized one) is refused (ValueError).
     """
     import numpy as np
     from keras.src.saving import saving_lib
@@ -504,6 +506,11 @@ def keras_file_layout(model, archive, h5_path: str) -> tuple:
         datasets: list
 
         def __setitem__(self, key, value):
+            path = self._h5_entry_path or ""
+            if isinstance(value, (np.ndarray, np.generic)) and not path.startswith("layers"):
+                # a value saved outside the (weightless) layers, e.g. the optimizer's own
+                # variables as numpy: written now, as Keras writes it
+                return super().__setitem__(key, value)
             if not self._h5_entry_initialized:
                 self._create_h5_group(self._h5_entry_path)
             if not isinstance(value, variable_class):

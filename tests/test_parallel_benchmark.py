@@ -40,6 +40,11 @@ def test_tensor_parallel_benchmark_quick(tmp_path):
         proc.stdout
     assert all(r["build_peak_bytes"] >= 0 for r in (rep, tp))
     assert tp["gather_peak_root_bytes"] >= 0 and tp["gather_peak_other_bytes"] >= 0
+    # and saving it as one .keras file, streamed (per rank) and the previous way (rank 0)
+    assert "Saving it as one .keras file" in proc.stdout
+    assert len(tp["save_peak_bytes"]) == 2 and min(tp["save_peak_bytes"]) >= 0
+    assert tp["whole_save_peak_bytes"] >= 0 and tp["model_bytes"] == 4 * (
+        8 * tp["width"] ** 2 + 5 * tp["width"])
 
 
 def test_pipeline_bubble_benchmark_quick(tmp_path):

@@ -139,7 +139,7 @@ def _remove(path):
 
 
 def save_streamed(comm, root: int, build, offers, variable_of, filepath, overwrite: bool,
-                  what: str) -> None:
+                  what: str, compiled_like=None) -> None:
     """Collective over ``comm``: ``root`` writes ``filepath`` as the weights stream in.
 
     ``build()`` (root only, weightless) makes the plain model; ``offers`` are this
@@ -147,7 +147,10 @@ def save_streamed(comm, root: int, build, offers, variable_of, filepath, overwri
     plain model's variable a streamed key fills. A failure to build is a
     ValueError on every rank, a failure to open or write the file a
     ``RemoteError`` (``MatexError``, naming root) on every rank, before or after
-    the transfers: no rank is left waiting.
+    the transfers: no rank is left waiting. ``compiled_like``: a compiled model
+    whose compile config the file records, as ``model.save`` of a compiled model
+    does (the optimizer is created, not built: no optimizer state, as for a model
+    compiled and never trained).
     """
     from matex._everywhere import RemoteError, on_every_rank
     from matex.parallel import _tensor
@@ -159,7 +162,13 @@ def save_streamed(comm, root: int, build, offers, variable_of, filepath, overwri
         if me != root:
             return None
         with _compat.weightless_build():
-            return build()
+            whole = build()
+        if compiled_like is not None and compiled_like.compiled:
+            # outside the weightless scope: the optimizer's own variables are small
+            import keras
+            whole.compile(**keras.saving.deserialize_keras_object(
+                compiled_like.get_compile_config()))
+        return whole
 
     whole = on_every_rank(comm, skeleton, error_type=ValueError, what=what)
     writer = on_every_rank(comm, lambda: StreamedKerasFile(whole, filepath, overwrite)

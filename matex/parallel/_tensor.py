@@ -902,7 +902,18 @@ def save_model(model: keras.Model, filepath: str | os.PathLike, grid: Grid | Non
                       what="matex.parallel: saving %s" % (filepath,))
         return
     grid, clone, offers = _plain_plan(model, grid, "save_model")
+
+    def build():
+        # clone_model compiles the copy of a compiled model, whose optimizer cannot be
+        # made weightless: clone it uncompiled, save_streamed compiles it after
+        compiled = model.compiled
+        model.compiled = False
+        try:
+            return keras.models.clone_model(model, clone_function=clone)
+        finally:
+            model.compiled = compiled
+
     _streamsave.save_streamed(
-        grid.world_comm, root, lambda: keras.models.clone_model(model, clone_function=clone),
-        offers, lambda whole, key: whole.layers[key[0]].weights[key[1]], filepath, overwrite,
-        "matex.parallel: gathering %s" % model.name)
+        grid.world_comm, root, build, offers,
+        lambda whole, key: whole.layers[key[0]].weights[key[1]], filepath, overwrite,
+        "matex.parallel: gathering %s" % model.name, compiled_like=model)

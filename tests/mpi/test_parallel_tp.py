@@ -440,6 +440,7 @@ def test_save_model_streams_into_the_file_without_the_whole_model(tmp_path):
             mp.ColumnParallelDense(d, kernel_initializer=_init(30), gather_output=False,
                                    grid=g, name="col"),
             mp.RowParallelDense(d, kernel_initializer=_init(31), grid=g, name="row")])
+        model.compile(optimizer="adam", loss="mse")   # the file keeps the compile config
         path = gather(str(tmp_path / "big.keras"))[0]
         mp.save_model(model, path)               # warm up (imports, h5py, zipfile)
         with open("/proc/self/clear_refs", "w") as f:
@@ -461,6 +462,7 @@ def test_save_model_streams_into_the_file_without_the_whole_model(tmp_path):
             assert grown < 0.75 * weight_bytes, grown / 2 ** 20
             whole = keras.models.load_model(path)
             assert [type(layer).__name__ for layer in whole.layers] == ["Dense", "Dense"]
+            assert type(whole.optimizer).__name__ == "Adam" and whole.loss == "mse"
             np.testing.assert_array_equal(whole.get_layer("col").kernel.numpy(),
                                           np.asarray(_init(30)((d, d))))
             np.testing.assert_array_equal(whole.get_layer("row").kernel.numpy(),
