@@ -83,6 +83,21 @@ _LAZY = {
 }
 
 
+from typing import TYPE_CHECKING  # noqa: E402
+
+if TYPE_CHECKING:   # type checkers and IDEs see the lazy names' own signatures
+    from matex._batch_slicing import is_sharded, shard
+    from matex._collectives import allgather, allreduce, broadcast, broadcast_variables
+    from matex._delayed import flush
+    from matex._optimizer import DistributedOptimizer
+    from matex._recovery import run_resilient
+    from matex._resilience import on_rank_loss
+    from matex._sparse import sparse_allreduce
+    from matex._stats import stats
+    from matex._tape import DistributedGradientTape
+    from matex.errors import mpi_error_class
+    from matex.localsgd import DiLoCo, LocalSGD
+
 # TensorFlow is imported on first use of a TF-facing name, so that
 # `import matex` stays cheap (and usable for launching and readers).
 __getattr__, __dir__ = _lazy.attach(__name__, _LAZY, __all__)

@@ -7,9 +7,11 @@ first read (PEP 562), then cached in the package's namespace.
 
 import importlib
 import sys
+from typing import Any, Callable, Iterable
 
 
-def attach(package: str, table: dict, names):
+def attach(package: str, table: dict,
+           names: Iterable[str]) -> tuple[Callable[[str], Any], Callable[[], list[str]]]:
     """``(__getattr__, __dir__)`` for ``package``: ``table`` maps a name to its module."""
     def __getattr__(name):
         module = table.get(name)

@@ -18,7 +18,7 @@ import os
 import sys
 import threading
 import time
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any, Callable, TypeVar
 
 from matex import _config
 
@@ -28,7 +28,10 @@ if TYPE_CHECKING:
 _lock = threading.RLock()
 
 
-def _run_as_is(function):
+_F = TypeVar("_F", bound=Callable[..., Any])
+
+
+def _run_as_is(function: _F) -> _F:
     """Mark ``function`` so TensorFlow's AutoGraph calls it unconverted.
 
     It is plain Python that creates ops (or none): converting it, and all it

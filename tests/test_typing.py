@@ -214,3 +214,50 @@ def test_mypy_public_modules():
     mypy = [sys.executable, "-m", "mypy"]
     proc = subprocess.run(mypy, cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout + proc.stderr
+
+
+# A user's script: the lazily resolved names (matex.allreduce, matex.hpo.minimize,
+# matex.parallel.send...) must reach the user's type checker with their signatures, not as
+# the modules' __getattr__ (object/Any). Lines marked "# wrong" must each be reported.
+USER_SCRIPT = """\
+import keras
+import numpy as np
+
+import matex
+import matex.compression
+import matex.hpo
+import matex.parallel
+import matex.timeline
+
+size: int = matex.size()
+opt = matex.DistributedOptimizer(keras.optimizers.Adam(), compression="topk:0.01")
+t = matex.allreduce(np.ones(3), op="sum")
+gp = matex.hpo.LazyGP(2)
+mean = gp.predict(np.zeros((1, 2)), return_std=False)
+g = matex.parallel.grid(data=2)
+shape: tuple[int, int, int] = g.shape
+topk = matex.compression.TopK(0.01)
+with matex.timeline.span("read"):
+    pass
+failed: bool = matex.errors.is_rank_failure(RuntimeError())
+wrong_rank: str = matex.rank()  # wrong
+matex.allreduce(t, op="sum", comm="world")  # wrong
+matex.hpo.minimize(lambda hp, comm: 0.0, None, max_trials="many")  # wrong
+matex.parallel.send(t, dest="one")  # wrong
+matex.compression.TopK(0.01, min_size="big")  # wrong
+matex.DistributedOptimizer("adam", delay="one")  # wrong
+"""
+
+
+def test_users_type_checker_sees_the_signatures(tmp_path):
+    script = tmp_path / "user_script.py"
+    script.write_text(USER_SCRIPT)
+    proc = subprocess.run([sys.executable, "-m", "mypy", "--config-file", "pyproject.toml",
+                           str(script)], cwd=ROOT, capture_output=True, text=True, timeout=600)
+    reported = set()
+    for line in proc.stdout.splitlines():
+        if line.startswith(str(script) + ":") and ": error:" in line:
+            reported.add(int(line.split(":")[1]))
+    expected = {i for i, line in enumerate(USER_SCRIPT.splitlines(), 1)
+                if line.endswith("# wrong")}
+    assert reported == expected, proc.stdout + proc.stderr

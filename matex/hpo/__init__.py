@@ -31,6 +31,15 @@ _LAZY = {
 }
 
 
+from typing import TYPE_CHECKING  # noqa: E402
+
+if TYPE_CHECKING:   # type checkers and IDEs see the lazy names' own signatures
+    from matex.hpo._bayesian import LazyBayesianOracle, LazyBayesianSearch
+    from matex.hpo._ensemble import ensemble
+    from matex.hpo._genetic import GeneticOracle, GeneticSearch
+    from matex.hpo._lazy_gp import LazyGP
+    from matex.hpo._minimize import minimize
+
 # keras_tuner, TensorFlow and MPI are imported on first use of a name
 _resolve, __dir__ = _lazy.attach(__name__, _LAZY, __all__)
 

@@ -38,4 +38,14 @@ _LAZY = {
 }
 
 
+from typing import TYPE_CHECKING  # noqa: E402
+
+if TYPE_CHECKING:   # type checkers and IDEs see the lazy names' own signatures
+    from matex.parallel._grid import Grid, grid
+    from matex.parallel._p2p import recv, send, sendrecv
+    from matex.parallel._pipeline import PipelineModel
+    from matex.parallel._stages import StageBoundary
+    from matex.parallel._tensor import (ColumnParallelDense, ParallelConv2D, RowParallelDense,
+                                        gather_model, parameter_bytes, save_model, shard_layer)
+
 __getattr__, __dir__ = _lazy.attach(__name__, _LAZY, __all__)
