@@ -68,7 +68,8 @@ setup(
     description="MPI-backed, user-transparent distributed training for TensorFlow and Keras 3",
     packages=find_packages(include=["matex", "matex.*"]) + ["matex.readers"],
     package_dir={"matex": "matex", "matex.readers": "readers"},
-    package_data={"matex.readers": ["_csvparse.cc"]},     # compiled on first use
+    package_data={"matex.readers": ["_csvparse.cc"],      # compiled on first use
+                  "matex": ["py.typed"]},                 # PEP 561: the hints reach mypy users
     python_requires=">=3.10",
     install_requires=[
         "keras>=3.15",   # newer: a warning at start-up (matex._compat.warn_if_untested)

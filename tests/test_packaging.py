@@ -60,7 +60,7 @@ def test_the_sdist_and_the_wheel_carry_the_sources_built_on_first_use(dist):
     assert set(OP_SOURCES) - in_sdist == set()
     assert {"readers/_csvparse.cc", "matex/_version.py", "setup.py"} - in_sdist == set()
     assert {"matex/" + s for s in OP_SOURCES} - in_wheel == set()
-    assert {"matex/readers/_csvparse.cc", "matex/_version.py"} - in_wheel == set()
+    assert {"matex/readers/_csvparse.cc", "matex/_version.py", "matex/py.typed"} - in_wheel == set()
     assert not [n for n in in_wheel if n.endswith((".so", ".o"))]
     assert wheel.name.startswith("matex-%s-py3-none-any" % matex.__version__)
 
