@@ -249,6 +249,19 @@ matex.DistributedOptimizer("adam", delay="one")  # wrong
 """
 
 
+def test_every_lazy_name_is_imported_for_type_checkers():
+    """A name resolved by ``_lazy.attach`` is the module's ``__getattr__`` to a type checker
+    unless the module also imports it under ``if TYPE_CHECKING:``."""
+    missing = []
+    for modname in public_modules():
+        module = importlib.import_module(modname)
+        lazy = getattr(module, "_LAZY", None)
+        if lazy:
+            seen = set(_type_checking_names(module))
+            missing += ["%s.%s" % (modname, n) for n in sorted(set(lazy) - seen)]
+    assert not missing, "lazy names not imported under TYPE_CHECKING: %s" % missing
+
+
 def test_users_type_checker_sees_the_signatures(tmp_path):
     script = tmp_path / "user_script.py"
     script.write_text(USER_SCRIPT)
