@@ -10,7 +10,10 @@ schedule's order (``_schedule``), activations forward and gradients back with
 computed on the last stage and shared exactly (``get_metrics_result``).
 """
 
+from __future__ import annotations
+
 import weakref
+from typing import Any
 
 import keras
 import tensorflow as tf
@@ -263,7 +266,7 @@ class PipelineExecution:
                                                   rows * self._layout.data_size)
         return x, y, sample_weight, rows
 
-    def train_step(self, data):
+    def train_step(self, data: Any) -> dict:
         x, y, sample_weight, rows = self._replica_batch(data)
         weights = list(self.stage.trainable_variables)
         grads = self._run(x, y, sample_weight, rows, train=True)
@@ -272,12 +275,12 @@ class PipelineExecution:
         self.optimizer.apply(grads, weights)
         return self.get_metrics_result()
 
-    def test_step(self, data):
+    def test_step(self, data: Any) -> dict:
         x, y, sample_weight, rows = self._replica_batch(data)
         self._run(x, y, sample_weight, rows, train=False)
         return self.get_metrics_result()
 
-    def predict_step(self, data):
+    def predict_step(self, data: Any) -> Any:
         x, _, _ = keras.utils.unpack_x_y_sample_weight(data)
         rows = tf.shape(keras.tree.flatten(x)[0])[0]
         D, M = self._layout.data_size, self.microbatches
@@ -292,7 +295,7 @@ class PipelineExecution:
             out = keras.tree.map_structure(_collectives.allgather, out)
         return keras.tree.map_structure(lambda t: t[:rows], out)
 
-    def get_metrics_result(self):
+    def get_metrics_result(self) -> dict:
         """Metric results from the last stage's states, summed over data replicas (exact)."""
         if self._skip_results:
             return {}
