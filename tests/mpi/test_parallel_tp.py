@@ -430,7 +430,8 @@ def test_save_model_streams_into_the_file_without_the_whole_model(tmp_path):
     the file as it arrives, so its peak growth is about one shard, not the model (before:
     it built and held the whole plain model, 128 MiB of weights plus the initialisers'
     draws: 320 MiB growth for this model). The file loads with plain Keras, with every
-    shard in place. Writing to a missing directory is one RemoteError on every rank."""
+    shard in place. Writing to a missing directory is one RemoteError on every rank, a
+    failure while writing one ValueError on every rank that leaves no file behind."""
     from matex.errors import MatexError
 
     d = 4096
@@ -454,6 +455,21 @@ def test_save_model_streams_into_the_file_without_the_whole_model(tmp_path):
                                              r"FileNotFoundError"):
             mp.save_model(model, bad)
         assert g.world_comm.allgather(grown) and not (tmp_path / "missing").exists()
+        # a failure while writing on rank 0: one ValueError everywhere, the partial file gone
+        from matex.parallel import _streamsave
+
+        def full(self, *args):
+            raise OSError("disk full")
+        original = _streamsave.StreamedKerasFile.write
+        _streamsave.StreamedKerasFile.write = full
+        try:
+            partial = gather(str(tmp_path / "partial.keras"))[0]
+            with pytest.raises(ValueError, match="rank 0: OSError: disk full"):
+                mp.save_model(model, partial)
+        finally:
+            _streamsave.StreamedKerasFile.write = original
+        if g.world_rank == 0:   # no partial file, no temporary weights file left behind
+            assert sorted(p.name for p in tmp_path.iterdir()) == ["big.keras"]
         print("save_model peak growth, world rank %d: %.1f MiB"
               % (g.world_rank, grown / 2 ** 20))
         weight_bytes = d * d * 4                 # one kernel; the model is two (128 MiB)
