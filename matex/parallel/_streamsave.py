@@ -16,9 +16,13 @@ import os
 import tempfile
 import zipfile
 
+import logging
+
 import numpy as np
 
 from matex import _compat
+
+_log = logging.getLogger("matex")
 
 
 def streamable(filepath, **kwargs) -> bool:
@@ -161,7 +165,14 @@ def save_streamed(comm, root: int, build, offers, variable_of, filepath, overwri
     def skeleton():
         if me != root:
             return None
-        with _compat.weightless_build():
+        try:
+            with _compat.weightless_build():
+                whole = build()
+        except ValueError as exc:
+            # a layer that makes a variable from a value, not an initializer: build it
+            # whole (the previous cost: the whole model on root), still streamed to the file
+            _log.warning("matex.parallel: the model cannot be built without its weights "
+                         "(%s); rank 0 builds it whole to save it", str(exc).split("\n")[0])
             whole = build()
         if compiled_like is not None and compiled_like.compiled:
             # outside the weightless scope: the optimizer's own variables are small

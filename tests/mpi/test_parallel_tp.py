@@ -485,3 +485,38 @@ def test_save_model_streams_into_the_file_without_the_whole_model(tmp_path):
                                           np.asarray(_init(31)((d, d))))
             np.testing.assert_array_equal(whole.get_layer("row").bias.numpy(), np.zeros(d))
             del whole
+
+
+@keras.saving.register_keras_serializable("matex_tests")
+class _ValueMade(keras.layers.Layer):
+    """Makes its variable from a value, not an initializer: it cannot be built weightless."""
+
+    def build(self, input_shape):
+        self.scale = keras.Variable(np.full((input_shape[-1],), 2.0, np.float32), name="scale")
+
+    def call(self, x):
+        return x * self.scale
+
+
+def test_save_model_of_a_layer_that_cannot_be_built_weightless(tmp_path, caplog):
+    """A layer that cannot be built without its weights: save_model warns and rank 0
+    builds the plain model whole (the previous cost), still streaming the weights into
+    the file: the file holds the trained values and predicts like the split model."""
+    x, _ = _data(5, (4,), 6, 40)
+    with mp.grid(tensor=T) as g:
+        model = keras.Sequential([
+            keras.Input((4,)),
+            mp.ColumnParallelDense(6, kernel_initializer=_init(41), gather_output=True,
+                                   grid=g, name="col"),
+            _ValueMade(name="v")])
+        model.get_layer("v").scale.assign(np.arange(6, dtype=np.float32))
+        expected = model.predict(x, verbose=0)
+        path = gather(str(tmp_path / "value_made.keras"))[0]
+        with caplog.at_level("WARNING", logger="matex"):
+            mp.save_model(model, path)
+        if g.world_rank == 0:
+            assert "cannot be built without its weights" in caplog.text
+            whole = keras.models.load_model(path)
+            np.testing.assert_array_equal(whole.get_layer("v").scale.numpy(), np.arange(6))
+            np.testing.assert_allclose(whole.predict(x, verbose=0), expected,
+                                       rtol=1e-6, atol=1e-6)
