@@ -35,7 +35,7 @@ import os
 import sys
 import time
 import traceback
-from typing import Any, Callable
+from typing import Any, Callable, TypeVar
 
 from matex import _config, _runtime
 from matex.errors import (MismatchError, RankFailure, _failure_classes, is_rank_failure,
@@ -119,7 +119,10 @@ def describe_mode():
             "failure ends the job; use matexrun --ft, or matexrun --restart N")
 
 
-def on_rank_loss(function: Callable[[Any], Any]) -> Callable[[Any], Any]:
+_Listener = TypeVar("_Listener", bound=Callable[[Any], Any])
+
+
+def on_rank_loss(function: _Listener) -> _Listener:
     """Call ``function(info)`` on every survivor after each recovery from lost ranks.
 
     ``info`` has ``lost`` (their ranks in the old communicator), ``old_size``,

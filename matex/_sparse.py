@@ -19,6 +19,7 @@ less").
 from __future__ import annotations
 
 import math
+from typing import Sequence
 
 import tensorflow as tf
 
@@ -91,7 +92,8 @@ def exchange(indices, values, dense_rows, density_threshold=None, comm=0):
 
 
 @_run_as_is
-def sparse_allreduce(indices: tf.Tensor, values: tf.Tensor, dense_shape: tf.TensorShape | list,
+def sparse_allreduce(indices: tf.Tensor, values: tf.Tensor,
+                     dense_shape: Sequence[int] | tf.TensorShape | tf.Tensor,
                      density_threshold: float | None = None, op: str = "sum",
                      comm: int = 0) -> tf.Tensor | tf.IndexedSlices:
     """Sum (or average) over ranks of the row-sparse tensors given as (indices, values).

@@ -252,12 +252,23 @@ topk = matex.compression.TopK(0.01)
 with matex.timeline.span("read"):
     pass
 failed: bool = matex.errors.is_rank_failure(RuntimeError())
+summed = matex.sparse_allreduce(np.arange(2), np.ones((2, 4)), (10, 4))
+got = matex.parallel.recv((2, 3), "float32", source=0)
+
+
+@matex.on_rank_loss
+def note(info: object) -> str:
+    return "lost"
+
+
+said: str = note(None)
 wrong_rank: str = matex.rank()  # wrong
 matex.allreduce(t, op="sum", comm="world")  # wrong
 matex.hpo.minimize(lambda hp, comm: 0.0, None, max_trials="many")  # wrong
 matex.parallel.send(t, dest="one")  # wrong
 matex.compression.TopK(0.01, min_size="big")  # wrong
 matex.DistributedOptimizer("adam", delay="one")  # wrong
+count: int = note(None)  # wrong
 """
 
 

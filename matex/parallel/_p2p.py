@@ -43,6 +43,7 @@ way, so they never match a forward message).
 from __future__ import annotations
 
 import threading
+from typing import Sequence
 
 import tensorflow as tf
 
@@ -112,7 +113,7 @@ def send(tensor: tf.Tensor, dest: int, comm: int = 0, tag: int = 0) -> tf.Tensor
 
 
 @_run_as_is
-def recv(shape: list[int] | tf.TensorShape | tf.Tensor, dtype: tf.dtypes.DType | str,
+def recv(shape: Sequence[int] | tf.TensorShape | tf.Tensor, dtype: tf.dtypes.DType | str,
          source: int, comm: int = 0, tag: int = 0) -> tf.Tensor:
     """Receive a tensor of ``shape`` and ``dtype`` sent by rank ``source``.
 
@@ -129,7 +130,7 @@ def recv(shape: list[int] | tf.TensorShape | tf.Tensor, dtype: tf.dtypes.DType |
 
 @_run_as_is
 def sendrecv(tensor: tf.Tensor, dest: int, source: int,
-             recv_shape: list[int] | tf.TensorShape | tf.Tensor,
+             recv_shape: Sequence[int] | tf.TensorShape | tf.Tensor,
              recv_dtype: tf.dtypes.DType | str, comm: int = 0, tag: int = 0) -> tf.Tensor:
     """Send ``tensor`` to ``dest`` and receive a ``recv_shape`` tensor from ``source``, overlapped.
 
