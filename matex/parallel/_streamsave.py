@@ -43,24 +43,28 @@ class StreamedKerasFile:
     Opening it writes everything but the weight values; ``write(variable,
     value)`` fills one variable's dataset; ``finish()`` writes what was not
     streamed (a variable no rank offers keeps its initial value, as a freshly
-    built model would save it) and closes the file; ``abort()`` removes it.
+    built model would save it) and moves it onto ``filepath``; ``abort()`` removes
+    what was written. The file is written beside the target and renamed over it
+    only when complete, so a failed save leaves an existing file as it was.
     """
 
     def __init__(self, model, filepath, overwrite: bool = True):
         filepath = os.fspath(filepath)
         self.filepath = filepath
         self._file = self._zip = self._h5 = None
-        self._tmp = None
+        self._tmp = self._partial = None
         self.cancelled = os.path.exists(filepath) and not overwrite \
             and not _compat.ask_to_overwrite(filepath)
         if self.cancelled:
             return
         try:
-            self._file = open(filepath, "wb")
+            directory = os.path.dirname(os.path.abspath(filepath))
+            fd, self._partial = tempfile.mkstemp(
+                prefix="." + os.path.basename(filepath) + ".", suffix=".partial", dir=directory)
+            self._file = os.fdopen(fd, "wb")
             self._zip = zipfile.ZipFile(self._file, "w")
             # the weights' HDF5 file, next to the target (Keras does the same for big models)
-            fd, self._tmp = tempfile.mkstemp(suffix=".weights.h5",
-                                             dir=os.path.dirname(os.path.abspath(filepath)))
+            fd, self._tmp = tempfile.mkstemp(suffix=".weights.h5", dir=directory)
             os.close(fd)
             self._h5, pairs, self._member = _compat.keras_file_layout(model, self._zip, self._tmp)
         except BaseException:
@@ -112,6 +116,9 @@ class StreamedKerasFile:
             self._zip = None
             self._file.close()
             self._file = None
+            os.chmod(self._partial, 0o666 & ~_umask())
+            os.replace(self._partial, self.filepath)
+            self._partial = None
         except BaseException:
             self.abort()
             raise
@@ -127,12 +134,19 @@ class StreamedKerasFile:
             except Exception:  # noqa: BLE001 - cleaning up after the error being raised
                 pass
         self._h5 = self._zip = None
-        if self._file is not None:
-            self._file = None
-            _remove(self.filepath)
+        self._file = None
+        if self._partial is not None:
+            _remove(self._partial)
+            self._partial = None
         if self._tmp is not None:
             _remove(self._tmp)
             self._tmp = None
+
+
+def _umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
 
 
 def _remove(path):

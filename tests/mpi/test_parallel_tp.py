@@ -431,7 +431,8 @@ def test_save_model_streams_into_the_file_without_the_whole_model(tmp_path):
     it built and held the whole plain model, 128 MiB of weights plus the initialisers'
     draws: 320 MiB growth for this model). The file loads with plain Keras, with every
     shard in place. Writing to a missing directory is one RemoteError on every rank, a
-    failure while writing one ValueError on every rank that leaves no file behind."""
+    failure while writing one ValueError on every rank that leaves no file behind, and
+    an existing file it was to replace as it was."""
     from matex.errors import MatexError
 
     d = 4096
@@ -466,6 +467,12 @@ def test_save_model_streams_into_the_file_without_the_whole_model(tmp_path):
             partial = gather(str(tmp_path / "partial.keras"))[0]
             with pytest.raises(ValueError, match="rank 0: OSError: disk full"):
                 mp.save_model(model, partial)
+            # the same failure over an existing file leaves that file as it was
+            before = open(path, "rb").read() if g.world_rank == 0 else None
+            with pytest.raises(ValueError, match="rank 0: OSError: disk full"):
+                mp.save_model(model, path)
+            if g.world_rank == 0:
+                assert open(path, "rb").read() == before
         finally:
             _streamsave.StreamedKerasFile.write = original
         if g.world_rank == 0:   # no partial file, no temporary weights file left behind
