@@ -1,4 +1,12 @@
-"""``python -m matex [--all-ranks] script.py [args]``: run a script distributed.
+"""``python -m matex [--all-ranks] [--horovod] script.py | -m MODULE [args]``: run distributed.
+
+``-m MODULE`` runs a module as ``python -m MODULE`` does (``sys.argv[0]`` its
+file, the current directory first on ``sys.path``), e.g. ``-m pytest``.
+``--horovod`` makes ``import horovod...`` (``horovod.tensorflow``,
+``horovod.tensorflow.keras``, ``horovod.keras``) resolve to ``matex.horovod``
+before the script runs, so an unmodified Horovod script runs on MaTEx. Such
+a script distributes itself (it shards its data and wraps its optimizer), so
+Keras is then left as it is: MaTEx's explicit mode, as with ``import matex``.
 
 ``python -m matex --check [--build]`` checks the installation instead
 (``matex._check``, as ``matexrun --check``).
@@ -121,7 +129,8 @@ def _without_startup_notices():
             os.write(2, kept.encode("utf-8"))
 
 
-USAGE = "usage: python -m matex [--all-ranks] script.py [args...] | --check [--build]"
+USAGE = ("usage: python -m matex [--all-ranks] [--horovod] script.py [args...] | "
+         "[--all-ranks] [--horovod] -m MODULE [args...] | --check [--build]")
 
 
 def _run(argv):
@@ -132,11 +141,23 @@ def _run(argv):
         from matex import _check
 
         return _check.main(build=argv[1:] == ["--build"])
-    all_ranks = False
+    all_ranks = horovod = False
+    module = None
     while argv and argv[0].startswith("-"):
         if argv[0] == "--all-ranks":
             all_ranks = True
             argv = argv[1:]
+        elif argv[0] == "--horovod":
+            horovod = True
+            argv = argv[1:]
+        elif argv[0] == "-m" and len(argv) > 1:
+            module = argv[1]
+            argv = argv[1:]   # argv[0] names the module from here on
+            break
+        elif argv[0].startswith("-m") and len(argv[0]) > 2:   # -mMODULE, as python accepts
+            module = argv[0][2:]
+            argv = [module] + argv[1:]
+            break
         else:
             print(USAGE, file=sys.stderr)
             return 2
@@ -144,9 +165,13 @@ def _run(argv):
         print(USAGE, file=sys.stderr)
         return 2
     script = argv[0]
-    if not os.path.isfile(script):
+    if module is None and not os.path.isfile(script):
         print("matex: no such script: %s" % script, file=sys.stderr)
         return 2
+    if horovod:
+        from matex.horovod import _alias
+
+        _alias.install()   # before the script imports anything
     _quiet_tensorflow_startup()
     rank = _config.launched_rank()
     if _config.ft_requested():
@@ -182,7 +207,18 @@ def _run(argv):
     from matex import _transparent
 
     sys.argv = list(argv)
-    sys.path.insert(0, os.path.dirname(os.path.abspath(script)))
+    # as python does: the script's directory, or for -m the current directory, first
+    sys.path.insert(0, os.getcwd() if module else os.path.dirname(os.path.abspath(script)))
+    if module is not None:
+        import importlib.util
+
+        try:
+            found = importlib.util.find_spec(module)
+        except ImportError:
+            found = None
+        if found is None:
+            print("matex: no module named %s" % module, file=sys.stderr)
+            return 2
     try:
         size = _transparent.launched_size()
         if size == 1:
@@ -190,9 +226,13 @@ def _run(argv):
         elif size:
             _transparent.seed_script_rngs()
         # (launcher unknown: seeded when Keras is imported, see matex._keras.install)
-        _transparent.after_import("keras", _install_keras_patch)
+        if not horovod:   # a Horovod script distributes itself (its data, its optimizer)
+            _transparent.after_import("keras", _install_keras_patch)
         _transparent.after_import("keras_tuner", _install_tuner_hook)
-        runpy.run_path(script, run_name="__main__")
+        if module is not None:
+            runpy.run_module(module, run_name="__main__", alter_sys=True)
+        else:
+            runpy.run_path(script, run_name="__main__")
         code = 0
     except SystemExit as exc:
         code = exc.code

@@ -16,6 +16,16 @@ Beyond one machine (see docs/hpc.md):
                                                   # hosts and -n from SLURM_*
     matexrun --dry-run ...                        # print the command, run nothing
     matexrun --check                              # check the installation (no script)
+    matexrun -n 2 -m pytest -q test_x.py          # a module, as python -m runs it
+    matexrun --horovod -np 2 train_hvd.py         # an unmodified Horovod script
+
+``--horovod`` makes ``import horovod...`` resolve to ``matex.horovod`` in every
+rank. horovodrun's common flags are accepted: ``-np``, ``-H``, ``--hostfile``,
+``--timeline-filename FILE`` (one merged timeline written to FILE),
+``--fusion-threshold-mb N`` (``MATEX_FUSION_THRESHOLD``), ``--network-interface``
+(``--tcp-if``), ``--start-timeout`` (``MATEX_START_TIMEOUT``), ``--check-build``
+(``--check``); flags that mean nothing with MaTEx (``--gloo``, ``--cycle-time-ms``,
+``--autotune``...) are accepted and named once, as ignored.
 
 In a Slurm allocation (``SLURM_JOB_ID`` and ``SLURM_JOB_NODELIST`` set) and
 without ``-H``/``--hostfile``, the allocation's nodes and tasks per node
@@ -151,6 +161,79 @@ def _ignore_signal(signum, frame):
     pass
 
 
+# horovodrun's flags that mean nothing with MaTEx: flag -> (takes a value, why)
+HOROVODRUN_IGNORED = {
+    "--gloo": (False, "MaTEx's collectives are MPI only"),
+    "--mpi": (False, "MaTEx always uses MPI"),
+    "--jsrun": (False, "ranks start with mpiexec"),
+    "--tcp": (False, "MPI picks the transport (restrict it with --tcp-if)"),
+    "--cycle-time-ms": (True, "MaTEx has no background cycle: collectives run when issued"),
+    "--cache-capacity": (True, "MaTEx has no response cache"),
+    "--disable-cache": (False, "MaTEx has no response cache"),
+    "--hierarchical-allreduce": (False, "MPI's collective component chooses the algorithm"),
+    "--no-hierarchical-allreduce": (False, "MPI's collective component chooses the algorithm"),
+    "--hierarchical-allgather": (False, "MPI's collective component chooses the algorithm"),
+    "--no-hierarchical-allgather": (False, "MPI's collective component chooses the algorithm"),
+    "--autotune": (False, "MaTEx has no autotuner"),
+    "--autotune-log-file": (True, "MaTEx has no autotuner"),
+    "--timeline-mark-cycles": (False, "MaTEx has no background cycle"),
+    "--no-stall-check": (False, "MaTEx's stall inspector is always on"),
+    "--stall-check-warning-time-seconds": (True, "set MATEX_STALL_* variables instead"),
+    "--stall-check-shutdown-time-seconds": (True, "set MATEX_STALL_* variables instead"),
+    "--mpi-threads-disable": (False, "MaTEx needs MPI_THREAD_MULTIPLE"),
+    "--num-nccl-streams": (True, "MaTEx does not use NCCL"),
+    "--log-level": (True, "MaTEx logs through Python's logging"),
+    "--binding-args": (True, "give mpiexec's binding with --mpi-arg"),
+    "--ssh-port": (True, "give ssh options with --launch-agent"),
+    "--ssh-identity-file": (True, "give ssh options with --launch-agent"),
+}
+
+
+class _IgnoredFlag(argparse.Action):
+    """Records a horovodrun flag that has no meaning here (named once, by the launcher)."""
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        namespace.ignored_flags.append(option_string)
+
+
+def _add_horovodrun_options(parser):
+    group = parser.add_argument_group(
+        "horovodrun's flags", "accepted so that horovodrun command lines run (docs/horovod.md)")
+    group.add_argument("--horovod", action="store_true",
+                       help="run a Horovod script unmodified: 'import horovod...' resolves to "
+                            "matex.horovod in every rank")
+    group.add_argument("--timeline-filename", metavar="FILE",
+                       help="write one timeline of the whole job to FILE (each rank records "
+                            "into FILE-ranks/, merged into FILE when the job ends)")
+    group.add_argument("--fusion-threshold-mb", type=float, metavar="MB",
+                       help="gradient fusion bucket size in MiB (MATEX_FUSION_THRESHOLD; 0 "
+                            "sends each gradient alone)")
+    group.add_argument("--network-interface", dest="tcp_if", metavar="IF[,...]",
+                       help="as --tcp-if")
+    group.add_argument("--start-timeout", type=float, metavar="SECONDS",
+                       help="seconds every rank has to start (MATEX_START_TIMEOUT)")
+    group.add_argument("--check-build", dest="check", action="store_true",
+                       help="as --check")
+    parser.set_defaults(ignored_flags=[])
+    for flag, (takes_value, why) in HOROVODRUN_IGNORED.items():
+        group.add_argument(flag, action=_IgnoredFlag, nargs=1 if takes_value else 0,
+                           dest="ignored_flags", help=argparse.SUPPRESS)
+
+
+def _horovodrun_env(opts, parser) -> dict:
+    """The ranks' variables for horovodrun's flags that map onto MaTEx settings."""
+    env = {}
+    if opts.fusion_threshold_mb is not None:
+        if opts.fusion_threshold_mb < 0:
+            parser.error("--fusion-threshold-mb must not be negative")
+        env["MATEX_FUSION_THRESHOLD"] = str(int(opts.fusion_threshold_mb * 1024 * 1024))
+    if opts.start_timeout is not None:
+        if opts.start_timeout <= 0:
+            parser.error("--start-timeout must be positive")
+        env["MATEX_START_TIMEOUT"] = str(opts.start_timeout)
+    return env
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Parse ``matexrun``'s arguments, start mpiexec, return the job's exit status."""
     if "mpi4py.MPI" not in sys.modules:
@@ -167,7 +250,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         signal.signal(signal.SIGUSR1, _ignore_signal)
     parser = argparse.ArgumentParser(
         prog="matexrun", description="Run a TensorFlow/Keras script on several MPI ranks.")
-    parser.add_argument("-n", "--np", dest="nranks", type=int, default=None,
+    parser.add_argument("-n", "--np", "-np", dest="nranks", type=int, default=None,
                         help="number of ranks (default 1, or the slots of the hosts given, "
                              "or SLURM_NTASKS in a Slurm allocation)")
     parser.add_argument("-v", "--verbose", action="store_true",
@@ -221,23 +304,42 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--build", action="store_true",
                         help="with --check: build the ops now if their cache is cold")
     _add_cluster_options(parser)
+    _add_horovodrun_options(parser)
+    parser.add_argument("-m", dest="module", nargs=argparse.REMAINDER, metavar="MODULE ARGS",
+                        help="run a module as python -m does, e.g. -m pytest -q test_x.py "
+                             "(instead of a script; what follows are its arguments)")
     parser.add_argument("script", nargs="?", help="the Python script to run")
     parser.add_argument("args", nargs=argparse.REMAINDER, help="the script's arguments")
     opts = parser.parse_args(argv)
     if opts.build and not opts.check:
         parser.error("--build goes with --check")
     if opts.check:
-        if opts.script is not None:
-            parser.error("--check runs no script (got %s)" % opts.script)
+        if opts.script is not None or opts.module:
+            parser.error("--check runs no script (got %s)" % (opts.script or opts.module[0]))
         from matex import _check
 
         return _check.main(build=opts.build)
-    if opts.script is None:
-        parser.error("the following arguments are required: script (or --check)")
+    if opts.module is not None:
+        if opts.script is not None:
+            parser.error("give a script or -m MODULE, not both")
+        if not opts.module:
+            parser.error("-m needs a module name")
+        target = ["-m"] + opts.module
+    elif opts.script is None:
+        parser.error("the following arguments are required: script (or -m MODULE, or --check)")
+    else:
+        target = [opts.script] + opts.args
     if opts.nranks is not None and opts.nranks < 1:
         parser.error("-n must be at least 1")
-    if not os.path.isfile(opts.script):
+    if opts.script is not None and not os.path.isfile(opts.script):
         parser.error("no such script: %s" % opts.script)
+    for flag in dict.fromkeys(opts.ignored_flags):   # once each, from the launcher only
+        print("matexrun: horovodrun's %s has no meaning with MaTEx (%s); ignored"
+              % (flag, HOROVODRUN_IGNORED[flag][1]), file=sys.stderr)
+    if opts.timeline_filename:
+        if opts.timeline:
+            parser.error("give --timeline DIR or --timeline-filename FILE, not both")
+        opts.timeline = opts.timeline_filename + "-ranks"
     env = launch_env()
     mpiexec = find_mpiexec()
     nranks, cluster_args, hostfile_text, notes = _plan_cluster(opts, parser, env, mpiexec)
@@ -266,7 +368,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         env["MATEX_RANKS_PER_TRIAL"] = str(opts.ranks_per_trial)
         if "MATEX_RANKS_PER_TRIAL" not in cluster_args:
             mpi_args = ["-x", "MATEX_RANKS_PER_TRIAL"] + mpi_args
-    for var, value in _observability_env(opts, parser).items():
+    for var, value in {**_observability_env(opts, parser),
+                       **_horovodrun_env(opts, parser)}.items():
         env[var] = value
         if var not in cluster_args:
             mpi_args = ["-x", var] + mpi_args
@@ -278,7 +381,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             mpi_args = ["-x", "MATEX_CHECKPOINT_DIR"] + mpi_args
     mpi_args = cluster_args + _output_and_binding_args(mpiexec, opts, cluster_args,
                                                        opts.mpi_arg) + mpi_args
-    runner = [sys.executable, "-m", "matex"] + (["--all-ranks"] if opts.all_ranks else [])
+    runner = [sys.executable, "-m", "matex"] + (["--all-ranks"] if opts.all_ranks else []) + (
+        ["--horovod"] if opts.horovod else [])
     tmpdir = None
     try:
         if hostfile_text is not None:
@@ -287,7 +391,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             with open(path, "w") as out:
                 out.write(hostfile_text)
             mpi_args = [path if a == "{hostfile}" else a for a in mpi_args]
-        cmd = mpiexec_command(nranks, runner + [opts.script] + opts.args, mpi_args=mpi_args,
+        cmd = mpiexec_command(nranks, runner + target, mpi_args=mpi_args,
                               mpiexec=mpiexec, oversubscribe=False if cluster_args else None)
         for note in notes:
             if opts.verbose or opts.dry_run or note.startswith("warning:"):
@@ -301,12 +405,30 @@ def main(argv: Sequence[str] | None = None) -> int:
         if opts.dry_run:
             return 0
         if opts.ft:
-            return run_fault_tolerant(cmd, env, nranks, status_parent,
+            code = run_fault_tolerant(cmd, env, nranks, status_parent,
                                       one_host=not cluster_args)
-        return run_with_restarts(cmd, nranks, env, opts.restart)
+        else:
+            code = run_with_restarts(cmd, nranks, env, opts.restart)
+        if opts.timeline_filename:
+            _merge_timeline(opts.timeline, opts.timeline_filename)
+        return code
     finally:
         if tmpdir:
             shutil.rmtree(tmpdir, ignore_errors=True)
+
+
+def _merge_timeline(directory, filename):
+    """``--timeline-filename``: the ranks' timelines merged into one file, as horovodrun writes."""
+    from matex.timeline import _merge
+
+    try:
+        _merge.merge(directory, filename)
+    except (OSError, ValueError) as exc:
+        print("matexrun: could not merge the timelines of %s into %s: %s"
+              % (directory, filename, exc), file=sys.stderr)
+        return
+    print("matexrun: timeline written to %s (per rank: %s)" % (filename, directory),
+          file=sys.stderr)
 
 
 def _output_and_binding_args(mpiexec, opts, cluster_args, user_args) -> list:

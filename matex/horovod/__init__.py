@@ -1,0 +1,20 @@
+"""Horovod's API on MaTEx: ``import horovod.tensorflow.keras as hvd`` scripts run unchanged.
+
+``python -m matex --horovod script.py`` (or ``matexrun --horovod``) makes
+``import horovod``, ``horovod.tensorflow``, ``horovod.tensorflow.keras`` and
+``horovod.keras`` resolve to this package (``matex.horovod._alias``), so a
+Horovod script needs no edit. Without the flag, import the modules directly:
+``import matex.horovod.tensorflow.keras as hvd``.
+
+The API is in ``matex.horovod.tensorflow`` (collectives, optimizer, tape),
+``matex.horovod.tensorflow.keras`` and ``matex.horovod.keras`` (Keras 3
+callbacks with Horovod's signatures). Horovod's conventions are kept where
+they differ from MaTEx's: the gradients of ``broadcast`` and ``allgather``
+are averaged over ranks (MaTEx sums them), and ranks that disagree on a
+collective get ``tf.errors.FailedPreconditionError``. What differs from
+Horovod is listed in docs/horovod.md.
+"""
+
+from matex._version import __version__ as __version__
+
+__all__ = ["__version__"]

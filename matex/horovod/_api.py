@@ -1,0 +1,538 @@
+"""Horovod's TensorFlow API with Horovod's semantics, on MaTEx's collectives.
+
+Used by ``matex.horovod.tensorflow`` (which re-exports it) and the Keras
+modules. The reduce-op constants are Horovod's integers; ``average=`` is
+Horovod's deprecated spelling of ``op=``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import inspect
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from typing import Any
+
+import tensorflow as tf
+
+import matex
+from matex import _collectives, _runtime
+from matex.errors import is_mismatch
+from matex.horovod._compression import Compression, Compressor
+
+# Horovod's reduce-op constants (horovod.common.basics) and MaTEx's names for them
+Average, Sum, Adasum, Min, Max, Product = 0, 1, 2, 3, 4, 5
+_OP_NAMES = {Average: "average", Sum: "sum", Adasum: "adasum", Min: "min", Max: "max",
+             Product: "product"}
+
+
+def _op_name(op: int) -> str:
+    if op not in _OP_NAMES:
+        raise ValueError("op must be one of hvd.Average, Sum, Adasum, Min, Max, Product, "
+                         "not %r" % (op,))
+    return _OP_NAMES[op]
+
+
+def handle_average_backwards_compatibility(op: int | None, average: bool | None) -> int:
+    """Horovod's ``average=`` (deprecated) as an ``op``; both given is a ValueError."""
+    if op is not None:
+        if average is not None:
+            raise ValueError("The op parameter supersedes average. Please provide only one of "
+                             "them.")
+        return op
+    if average is not None:
+        import warnings
+
+        warnings.warn("Parameter `average` has been replaced with `op` and will be removed",
+                      DeprecationWarning, stacklevel=3)
+        return Average if average else Sum
+    return Average
+
+
+@contextlib.contextmanager
+def _horovod_errors() -> Iterator[None]:
+    """Ranks that disagree on a collective: Horovod's ``FailedPreconditionError``."""
+    try:
+        yield
+    except tf.errors.OpError as exc:
+        if is_mismatch(exc) and not isinstance(exc, tf.errors.FailedPreconditionError):
+            raise tf.errors.FailedPreconditionError(exc.node_def, exc.op, exc.message) from exc
+        raise
+
+
+def _as_horovod_errors(function: Callable) -> Callable:
+    @functools.wraps(function)
+    def call(*args: Any, **kwargs: Any) -> Any:
+        with _horovod_errors():
+            return function(*args, **kwargs)
+
+    return call
+
+
+# ---- the process ------------------------------------------------------------
+
+def init(comm: Any = None, process_sets: Any = None) -> None:
+    """Start MaTEx (Horovod's ``hvd.init``); ``comm`` an mpi4py communicator or None.
+
+    A list of world ranks (Horovod's other form of ``comm``) and process
+    sets are not supported: a ValueError.
+    """
+    if process_sets is not None:
+        raise ValueError("process sets are not supported by matex.horovod")
+    if comm is not None and not hasattr(comm, "Get_rank"):
+        raise ValueError("hvd.init(comm=...) takes an mpi4py communicator here, not %r" % (comm,))
+    _runtime.init(comm)
+
+
+def shutdown() -> None:
+    """Horovod's ``hvd.shutdown``: MPI ends with the process; collectives still work after it."""
+
+
+def is_initialized() -> bool:
+    """Whether ``init`` (explicit or implicit) has run."""
+    return _runtime._comm is not None
+
+
+rank, size, local_rank, local_size = matex.rank, matex.size, matex.local_rank, matex.local_size
+
+
+@functools.lru_cache(maxsize=None)
+def _cross() -> tuple[int, int, bool]:
+    """(cross rank, cross size, homogeneous): ranks of the same local rank across nodes."""
+    comm = _runtime.comm()
+    cross = comm.Split(local_rank(), rank())
+    try:
+        sizes = set(comm.allgather(local_size()))
+        return cross.Get_rank(), cross.Get_size(), len(sizes) == 1
+    finally:
+        cross.Free()
+
+
+def cross_rank() -> int:
+    """This node's index among the nodes (the rank among ranks of the same local rank)."""
+    return _cross()[0]
+
+
+def cross_size() -> int:
+    """The number of nodes holding a rank of this local rank."""
+    return _cross()[1]
+
+
+def is_homogeneous() -> bool:
+    """Whether every node runs the same number of ranks."""
+    return _cross()[2]
+
+
+def mpi_threads_supported() -> bool:
+    """Whether MPI runs with ``MPI_THREAD_MULTIPLE`` (MaTEx requires it)."""
+    _runtime.init()
+    from mpi4py import MPI
+
+    return MPI.Query_thread() == MPI.THREAD_MULTIPLE
+
+
+def mpi_enabled() -> bool:
+    """True: MaTEx's collectives are MPI."""
+    return True
+
+
+def mpi_built() -> bool:
+    """True: MaTEx is built on MPI."""
+    return True
+
+
+def gloo_enabled() -> bool:
+    """False: MaTEx has no Gloo controller."""
+    return False
+
+
+def gloo_built() -> bool:
+    """False: MaTEx has no Gloo controller."""
+    return False
+
+
+def nccl_built() -> int:
+    """0: MaTEx does not use NCCL (Horovod returns NCCL's version, or 0)."""
+    return 0
+
+
+def ddl_built() -> bool:
+    """False: no IBM DDL."""
+    return False
+
+
+def ccl_built() -> bool:
+    """False: no oneCCL."""
+    return False
+
+
+def cuda_built() -> bool:
+    """False: MaTEx's collectives run on host memory."""
+    return False
+
+
+def rocm_built() -> bool:
+    """False: MaTEx's collectives run on host memory."""
+    return False
+
+
+def rank_op(name: str | None = None) -> tf.Tensor:
+    """This rank, as an int32 tensor read when the op runs."""
+    return tf.cast(_collectives.comm_info()[0], tf.int32, name=name)
+
+
+def size_op(process_set_id: int = 0, name: str | None = None) -> tf.Tensor:
+    """The number of ranks, as an int32 tensor read when the op runs (global set only)."""
+    if process_set_id != 0:
+        raise ValueError("process sets are not supported by matex.horovod")
+    return tf.cast(_collectives.comm_info()[1], tf.int32, name=name)
+
+
+def local_rank_op(name: str | None = None) -> tf.Tensor:
+    """This process's rank on its node, as an int32 tensor."""
+    return tf.constant(local_rank(), tf.int32, name=name)
+
+
+def local_size_op(name: str | None = None) -> tf.Tensor:
+    """The number of ranks on this node, as an int32 tensor."""
+    return tf.constant(local_size(), tf.int32, name=name)
+
+
+# ---- collectives ------------------------------------------------------------
+
+def _no_process_set(process_set: Any) -> None:
+    if process_set is not None:
+        raise ValueError("process sets are not supported by matex.horovod")
+
+
+def _averaged_gradient(tensor: tf.Tensor) -> tf.Tensor:
+    """Identity whose gradient is divided by the number of ranks.
+
+    MaTEx's broadcast and allgather gradients sum over ranks, Horovod's
+    average: the compat layer puts this in front of them.
+    """
+    if not (tensor.dtype.is_floating or tensor.dtype.is_complex):
+        return tensor
+
+    @tf.custom_gradient
+    def scaled(x):
+        def grad(dy):
+            return dy / tf.cast(_collectives.comm_info()[1], dy.dtype)
+
+        return tf.identity(x), grad
+
+    return scaled(tensor)
+
+
+_ALLREDUCE_SCALES = "prescale_factor" in inspect.signature(matex.allreduce).parameters
+
+
+def _scale(tensor: tf.Tensor, factor: float) -> tf.Tensor:
+    if factor == 1.0:
+        return tensor
+    if tensor.dtype.is_floating:
+        return tensor * tf.cast(factor, tensor.dtype)
+    return tf.cast(tf.cast(tensor, tf.float64) * factor, tensor.dtype)
+
+
+@_as_horovod_errors
+def allreduce(tensor: tf.Tensor | tf.IndexedSlices, average: bool | None = None,
+              device_dense: str = "", device_sparse: str = "",
+              compression: type[Compressor] = Compression.none, op: int | None = None,
+              prescale_factor: float = 1.0, postscale_factor: float = 1.0,
+              name: str | None = None, process_set: Any = None,
+              ignore_name_scope: bool = False) -> tf.Tensor | tf.IndexedSlices:
+    """Reduce ``tensor`` over all ranks (Horovod's ``hvd.allreduce``; default op Average).
+
+    A ``tf.IndexedSlices`` is allgathered (values and indices), divided by
+    the number of ranks for Average, as Horovod does. ``prescale_factor``
+    multiplies the input before the reduction, ``postscale_factor`` the
+    result after it.
+    """
+    _no_process_set(process_set)
+    op = handle_average_backwards_compatibility(op, average)
+    if isinstance(tensor, tf.IndexedSlices):
+        if op == Adasum:
+            raise NotImplementedError("The Adasum reduction does not support sparse tensors: "
+                                      "pass sparse_as_dense=True")
+        if op not in (Sum, Average):
+            raise NotImplementedError("Only Sum and Average ops are supported with "
+                                      "tf.IndexedSlices")
+        if prescale_factor != 1.0 or postscale_factor != 1.0:
+            raise NotImplementedError("Pre/postscale_factor are not supported with "
+                                      "tf.IndexedSlices")
+        values = allgather(tensor.values)
+        indices = allgather(tensor.indices)
+        if op == Average:
+            values = values / tf.cast(size(), values.dtype)
+        return tf.IndexedSlices(values, indices, dense_shape=tensor.dense_shape)
+    tensor = tf.convert_to_tensor(tensor)
+    compressed, context = compression.compress(tensor)
+    if _ALLREDUCE_SCALES:   # MaTEx applies Horovod's scaling rules itself
+        reduced = matex.allreduce(compressed, op=_op_name(op), name=name,
+                                  prescale_factor=prescale_factor,
+                                  postscale_factor=postscale_factor)
+        return compression.decompress(reduced, context)
+    scaled = _scale(compressed, prescale_factor)
+    reduced = matex.allreduce(scaled, op=_op_name(op), name=name)
+    return compression.decompress(_scale(reduced, postscale_factor), context)
+
+
+@_as_horovod_errors
+def grouped_allreduce(tensors: Sequence[tf.Tensor], average: bool | None = None,
+                      device_dense: str = "", device_sparse: str = "",
+                      compression: type[Compressor] = Compression.none, op: int | None = None,
+                      prescale_factor: float = 1.0, postscale_factor: float = 1.0,
+                      process_set: Any = None) -> list[tf.Tensor]:
+    """Reduce several tensors at once (one fused MPI call per dtype), as ``allreduce`` each."""
+    _no_process_set(process_set)
+    op = handle_average_backwards_compatibility(op, average)
+    if not tensors:
+        return []
+    if any(isinstance(t, tf.IndexedSlices) for t in tensors):
+        return [allreduce(t, op=op, compression=compression, prescale_factor=prescale_factor,
+                          postscale_factor=postscale_factor) for t in tensors]
+    pairs = [compression.compress(tf.convert_to_tensor(t)) for t in tensors]
+    scaled = [_scale(c, prescale_factor) for c, _ in pairs]
+    by_dtype: dict[tf.DType, list[int]] = {}
+    for i, t in enumerate(scaled):
+        by_dtype.setdefault(t.dtype, []).append(i)
+    reduced: list[Any] = [None] * len(scaled)
+    grouped = getattr(matex, "grouped_allreduce", None) or _collectives.grouped_allreduce
+    for indices in by_dtype.values():
+        for i, out in zip(indices, grouped([scaled[i] for i in indices], op=_op_name(op))):
+            reduced[i] = out
+    return [compression.decompress(_scale(r, postscale_factor), ctx)
+            for r, (_, ctx) in zip(reduced, pairs)]
+
+
+@_as_horovod_errors
+def allgather(tensor: tf.Tensor, name: str | None = None, ignore_name_scope: bool = False,
+              process_set: Any = None) -> tf.Tensor:
+    """Concatenate every rank's ``tensor`` along axis 0 (first dimensions may differ).
+
+    Its gradient is Horovod's: the output gradient averaged over ranks, this
+    rank's rows.
+    """
+    _no_process_set(process_set)
+    tensor = tf.convert_to_tensor(tensor)
+    return matex.allgather(_averaged_gradient(tensor), name=name)
+
+
+@_as_horovod_errors
+def broadcast(tensor: tf.Tensor, root_rank: int, name: str | None = None,
+              ignore_name_scope: bool = False, process_set: Any = None) -> tf.Tensor:
+    """Rank ``root_rank``'s ``tensor`` on every rank.
+
+    Its gradient is Horovod's: the output gradient averaged over ranks on the
+    root, zero elsewhere.
+    """
+    _no_process_set(process_set)
+    tensor = tf.convert_to_tensor(tensor)
+    return matex.broadcast(_averaged_gradient(tensor), root=root_rank, name=name)
+
+
+@_as_horovod_errors
+def broadcast_(variables: Iterable[tf.Variable], root_rank: int, name: str | None = None,
+               process_set: Any = None) -> list[tf.Variable]:
+    """Assign rank ``root_rank``'s values to ``variables`` in place; returns them."""
+    _no_process_set(process_set)
+    variables = list(variables)
+    for v in variables:
+        v.assign(matex.broadcast(v, root=root_rank))
+    return variables
+
+
+@_as_horovod_errors
+def broadcast_variables(variables: Iterable[tf.Variable], root_rank: int,
+                        process_set: Any = None, inplace: bool = False) -> Any:
+    """Give every rank rank ``root_rank``'s values of ``variables``.
+
+    Eagerly it assigns and returns None; in a graph it returns the group of
+    assign ops, as Horovod does.
+    """
+    _no_process_set(process_set)
+    variables = list(variables)
+    if tf.executing_eagerly():
+        matex.broadcast_variables(variables, root=root_rank)
+        return None
+    return tf.group(*[v.assign(matex.broadcast(v, root=root_rank)) for v in variables])
+
+
+def broadcast_global_variables(root_rank: int) -> Any:
+    """Broadcast TF1's global variables (graph mode only, as in Horovod)."""
+    if tf.executing_eagerly():
+        raise RuntimeError(
+            "hvd.broadcast_global_variables() does not support eager execution. Please use "
+            "`hvd.broadcast_variables(<model/optimizer variables>)` instead.")
+    return broadcast_variables(tf.compat.v1.global_variables(), root_rank)
+
+
+def _executing_eagerly() -> bool:
+    """Whether ops run eagerly now (Horovod's ``horovod.tensorflow.util`` helper)."""
+    return tf.executing_eagerly()
+
+
+# ---- training ----------------------------------------------------------------
+
+def _training_op(op: int, what: str) -> str:
+    if op not in (Average, Sum, Adasum):
+        raise NotImplementedError("%s: only hvd.Average, hvd.Sum and hvd.Adasum are supported "
+                                  "by matex, not %s" % (what, _OP_NAMES.get(op, op)))
+    return _OP_NAMES[op]
+
+
+def _check_training_args(what: str, backward_passes_per_step: int = 1,
+                         gradient_predivide_factor: float = 1.0, op: int = Average,
+                         num_groups: int = 0, groups: Any = None, process_set: Any = None,
+                         sparse_as_dense: bool = False,
+                         average_aggregated_gradients: bool = False) -> None:
+    """Horovod options MaTEx has no equivalent for: a NotImplementedError naming them."""
+    _no_process_set(process_set)
+    if backward_passes_per_step != 1:
+        raise NotImplementedError("%s: backward_passes_per_step is not supported by matex "
+                                  "(got %r)" % (what, backward_passes_per_step))
+    if gradient_predivide_factor != 1.0 and op != Average:
+        raise ValueError("gradient_predivide_factor not supported with op != Average")
+    if groups is not None or num_groups:
+        import logging
+
+        logging.getLogger(__name__).info(
+            "%s: groups/num_groups ignored: MaTEx fuses gradients by size "
+            "(MATEX_FUSION_THRESHOLD)", what)
+
+
+def _compression_spec(compression: type[Compressor]) -> str:
+    return "fp16" if compression is Compression.fp16 else "none"
+
+
+def DistributedOptimizer(optimizer: Any, name: str | None = None, use_locking: bool = False,
+                         device_dense: str = "", device_sparse: str = "",
+                         compression: type[Compressor] = Compression.none,
+                         sparse_as_dense: bool = False, backward_passes_per_step: int = 1,
+                         op: int = Average, gradient_predivide_factor: float = 1.0,
+                         average_aggregated_gradients: bool = False, num_groups: int = 0,
+                         groups: Any = None, process_set: Any = None,
+                         scale_local_gradients: bool = True) -> Any:
+    """A Keras 3 optimizer whose gradients are averaged (or summed) over ranks.
+
+    ``matex.DistributedOptimizer`` under Horovod's signature: ``op`` Average
+    or Sum, ``compression`` none or fp16. ``gradient_predivide_factor`` only
+    splits Horovod's average into a pre- and post-division: the average is
+    the same, and MaTEx divides once. Not supported (NotImplementedError):
+    ``backward_passes_per_step`` > 1, process sets, TF1 ``tf.compat.v1``
+    optimizers.
+    """
+    _check_training_args("DistributedOptimizer", backward_passes_per_step,
+                         gradient_predivide_factor, op, num_groups, groups, process_set)
+    if isinstance(optimizer, tf.compat.v1.train.Optimizer):
+        raise NotImplementedError("DistributedOptimizer: TF1 tf.compat.v1.train optimizers "
+                                  "are not supported by matex; use a Keras optimizer")
+    return matex.DistributedOptimizer(optimizer, op=_training_op(op, "DistributedOptimizer"),
+                                      compression=_compression_spec(compression))
+
+
+def DistributedGradientTape(gradtape: tf.GradientTape, device_dense: str = "",
+                            device_sparse: str = "",
+                            compression: type[Compressor] = Compression.none,
+                            sparse_as_dense: bool = False, op: int = Average,
+                            gradient_predivide_factor: float = 1.0, num_groups: int = 0,
+                            groups: Any = None, process_set: Any = None,
+                            scale_local_gradients: bool = True) -> tf.GradientTape:
+    """``gradtape`` with gradients averaged (or summed) over ranks (``matex``'s tape).
+
+    Same options as ``DistributedOptimizer``.
+    """
+    _check_training_args("DistributedGradientTape", 1, gradient_predivide_factor, op,
+                         num_groups, groups, process_set)
+    return matex.DistributedGradientTape(gradtape,
+                                         op=_training_op(op, "DistributedGradientTape"),
+                                         compression=_compression_spec(compression))
+
+
+# ---- collectives MaTEx gained for Horovod (present when this MaTEx has them) --------
+
+def _has(name: str) -> bool:
+    return name in getattr(matex, "__all__", ())
+
+
+OPTIONAL = [name for name in ("barrier", "broadcast_object", "broadcast_object_fn",
+                              "allgather_object", "grouped_allgather", "reducescatter",
+                              "grouped_reducescatter", "alltoall") if _has(name)]
+
+if _has("barrier"):
+    @_as_horovod_errors
+    def barrier(process_set: Any = None) -> Any:
+        """Wait until every rank has reached this point (``matex.barrier``)."""
+        _no_process_set(process_set)
+        return matex.barrier()
+
+if _has("broadcast_object"):
+    def broadcast_object(obj: Any, root_rank: int = 0, session: Any = None,
+                         name: str | None = None, process_set: Any = None) -> Any:
+        """Rank ``root_rank``'s picklable ``obj`` on every rank (``matex.broadcast_object``)."""
+        _no_process_set(process_set)
+        return matex.broadcast_object(obj, root_rank)
+
+if _has("broadcast_object_fn"):
+    def broadcast_object_fn(root_rank: int = 0, session: Any = None, name: str | None = None,
+                            process_set: Any = None) -> Callable[[Any], Any]:
+        """A function broadcasting its argument from ``root_rank``."""
+        _no_process_set(process_set)
+        return matex.broadcast_object_fn(root_rank)
+
+if _has("allgather_object"):
+    def allgather_object(obj: Any, session: Any = None, name: str | None = None,
+                         process_set: Any = None) -> list:
+        """Every rank's picklable ``obj``, in rank order (``matex.allgather_object``)."""
+        _no_process_set(process_set)
+        return matex.allgather_object(obj)
+
+if _has("grouped_allgather"):
+    @_as_horovod_errors
+    def grouped_allgather(tensors: Sequence[tf.Tensor], name: str | None = None,
+                          ignore_name_scope: bool = False,
+                          process_set: Any = None) -> list[tf.Tensor]:
+        """``allgather`` of several tensors at once (Horovod's averaged gradients)."""
+        _no_process_set(process_set)
+        return matex.grouped_allgather(
+            [_averaged_gradient(tf.convert_to_tensor(t)) for t in tensors], name=name)
+
+if _has("reducescatter"):
+    @_as_horovod_errors
+    def reducescatter(tensor: tf.Tensor, device_dense: str = "",
+                      compression: type[Compressor] = Compression.none, op: int = Average,
+                      name: str | None = None, process_set: Any = None,
+                      ignore_name_scope: bool = False, prescale_factor: float = 1.0,
+                      postscale_factor: float = 1.0) -> tf.Tensor:
+        """Reduce over ranks and give each rank its block of rows (``matex.reducescatter``)."""
+        _no_process_set(process_set)
+        compressed, context = compression.compress(tf.convert_to_tensor(tensor))
+        out = matex.reducescatter(compressed, op=_op_name(op), name=name,
+                                  prescale_factor=prescale_factor,
+                                  postscale_factor=postscale_factor)
+        return compression.decompress(out, context)
+
+if _has("grouped_reducescatter"):
+    @_as_horovod_errors
+    def grouped_reducescatter(tensors: Sequence[tf.Tensor], device_dense: str = "",
+                              compression: type[Compressor] = Compression.none,
+                              op: int = Average, process_set: Any = None,
+                              prescale_factor: float = 1.0,
+                              postscale_factor: float = 1.0) -> list[tf.Tensor]:
+        """``reducescatter`` of several tensors at once (``matex.grouped_reducescatter``)."""
+        _no_process_set(process_set)
+        pairs = [compression.compress(tf.convert_to_tensor(t)) for t in tensors]
+        out = matex.grouped_reducescatter([c for c, _ in pairs], op=_op_name(op),
+                                          prescale_factor=prescale_factor,
+                                          postscale_factor=postscale_factor)
+        return [compression.decompress(o, ctx) for o, (_, ctx) in zip(out, pairs)]
+
+if _has("alltoall"):
+    @_as_horovod_errors
+    def alltoall(tensor: tf.Tensor, splits: Any = None, name: str | None = None,
+                 ignore_name_scope: bool = False, process_set: Any = None) -> Any:
+        """Send block i of ``tensor`` (rows per ``splits``) to rank i (``matex.alltoall``);
+        returns (received tensor, received splits)."""
+        _no_process_set(process_set)
+        return matex.alltoall(tensor, splits=splits, name=name)

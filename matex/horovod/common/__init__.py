@@ -1,0 +1,1 @@
+"""``horovod.common``: the helpers that scripts import."""

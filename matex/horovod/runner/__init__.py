@@ -1,0 +1,1 @@
+"""What Horovod scripts and test helpers import from ``horovod.runner`` (launch: matexrun)."""

@@ -1,0 +1,1 @@
+"""``horovod.runner.util``: the helpers that scripts import."""

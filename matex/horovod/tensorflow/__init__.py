@@ -1,0 +1,34 @@
+"""``horovod.tensorflow`` on MaTEx: ``import matex.horovod.tensorflow as hvd``.
+
+Horovod's names with Horovod's semantics (see ``matex.horovod``). The
+collectives MaTEx added for Horovod (alltoall, reducescatter, barrier, the
+object collectives, grouped allgather/reducescatter) are here when the
+installed MaTEx has them.
+"""
+
+from matex.horovod import _api
+from matex.horovod._api import (DistributedGradientTape, DistributedOptimizer, Adasum,
+                                Average, Max, Min, Product, Sum, allgather, allreduce,
+                                broadcast, broadcast_, broadcast_global_variables,
+                                broadcast_variables, ccl_built, cross_rank, cross_size,
+                                cuda_built, ddl_built, gloo_built, gloo_enabled,
+                                grouped_allreduce, handle_average_backwards_compatibility, init,
+                                is_homogeneous, is_initialized, local_rank, local_rank_op,
+                                local_size, local_size_op, mpi_built, mpi_enabled,
+                                mpi_threads_supported, nccl_built, rank, rank_op, rocm_built,
+                                shutdown, size, size_op)
+from matex.horovod._compression import Compression
+from matex.horovod.tensorflow import util
+
+__all__ = [
+    "init", "shutdown", "is_initialized", "rank", "size", "local_rank", "local_size",
+    "cross_rank", "cross_size", "is_homogeneous", "rank_op", "size_op", "local_rank_op",
+    "local_size_op", "mpi_threads_supported", "mpi_enabled", "mpi_built", "gloo_enabled",
+    "gloo_built", "nccl_built", "ddl_built", "ccl_built", "cuda_built", "rocm_built",
+    "Average", "Sum", "Adasum", "Min", "Max", "Product", "handle_average_backwards_compatibility",
+    "allreduce", "grouped_allreduce", "allgather", "broadcast", "broadcast_",
+    "broadcast_variables", "broadcast_global_variables", "Compression",
+    "DistributedOptimizer", "DistributedGradientTape", "util",
+] + _api.OPTIONAL
+
+globals().update({_n: getattr(_api, _n) for _n in _api.OPTIONAL})

@@ -1,0 +1,127 @@
+"""Test script written for Horovod (never mentions MaTEx): Keras fit, then a GradientTape loop.
+
+Usage: python -m matex --horovod horovod_script.py OUT_PREFIX, or as the
+module ``horovod_script`` (``-m``). Each rank writes OUT_PREFIX.rank<N>.json.
+
+The data set is the same on every rank; each rank trains on its block of
+every global batch of 16 rows (rows [16j + rB, 16j + rB + B) with B = 16 /
+size), as a Horovod script shards its data. Each rank seeds Keras with a
+different number, and the root of the broadcasts is the last rank (seeded
+0), so alone the script computes what every rank count must compute.
+
+1. ``fit`` with ``hvd.DistributedOptimizer``, ``BroadcastGlobalVariablesCallback``
+   and ``MetricAverageCallback``: final weights and loss history.
+2. ``fit`` with ``LearningRateWarmupCallback(initial_lr=0.1, warmup_epochs=2)``:
+   the learning rate at each batch and the epoch logs' ``lr``.
+3. A GradientTape loop with ``hvd.DistributedGradientTape`` and
+   ``hvd.broadcast_variables``: final weights.
+4. Gradients of ``hvd.broadcast``/``hvd.allgather``; the error of an
+   allreduce whose shapes differ between ranks, and a sum after it.
+"""
+
+import json
+import os
+import sys
+
+import keras
+import numpy as np
+import tensorflow as tf
+
+import horovod.tensorflow as hvd_tf
+import horovod.tensorflow.keras as hvd
+
+hvd.init()
+out = sys.argv[1]
+ROWS, GLOBAL_BATCH = 64, 16
+SIZE, RANK = hvd.size(), hvd.rank()
+B = GLOBAL_BATCH // SIZE
+ROOT = SIZE - 1
+SEED = SIZE - 1 - RANK   # the root's seed is 0 whatever the number of ranks
+
+rng = np.random.default_rng(7)
+x_all = rng.normal(size=(ROWS, 5)).astype("float32")
+y_all = (x_all @ rng.normal(size=(5, 1)) + 0.3).astype("float32")
+
+
+def mine(a):
+    """This rank's block of every global batch."""
+    return a.reshape(-1, SIZE, B, a.shape[-1])[:, RANK].reshape(-1, a.shape[-1])
+
+
+x, y = mine(x_all), mine(y_all)
+
+
+def make_model():
+    keras.utils.set_random_seed(SEED)
+    return keras.Sequential([keras.Input((5,)), keras.layers.Dense(4, activation="tanh"),
+                             keras.layers.Dense(1)])
+
+
+report = {"names": [hvd.__name__, hvd_tf.__name__, hvd.callbacks.__name__], "size": SIZE,
+          "argv0": os.path.basename(sys.argv[0])}
+
+# 1. fit
+model = make_model()
+model.compile(optimizer=hvd.DistributedOptimizer(keras.optimizers.SGD(0.05)), loss="mse")
+history = model.fit(x, y, batch_size=B, epochs=3, shuffle=False, verbose=0,
+                    callbacks=[hvd.callbacks.BroadcastGlobalVariablesCallback(ROOT),
+                               hvd.callbacks.MetricAverageCallback()])
+report["fit_weights"] = [w.tolist() for w in model.get_weights()]
+report["fit_loss"] = [float(v) for v in history.history["loss"]]
+
+
+# 2. warmup
+class Recorder(keras.callbacks.Callback):
+    def __init__(self):
+        super().__init__()
+        self.rates = []
+
+    def on_train_batch_begin(self, batch, logs=None):
+        self.rates.append(float(self.model.optimizer.learning_rate))
+
+
+recorder = Recorder()
+warm = make_model()
+warm.compile(optimizer=hvd.DistributedOptimizer(keras.optimizers.SGD(0.1)), loss="mse")
+history = warm.fit(x, y, batch_size=B, epochs=3, shuffle=False, verbose=0,
+                   callbacks=[hvd.callbacks.LearningRateWarmupCallback(initial_lr=0.1,
+                                                                      warmup_epochs=2),
+                              recorder])
+report["warmup_rates"] = recorder.rates
+report["warmup_logged_lr"] = [float(v) for v in history.history["lr"]]
+
+# 3. GradientTape loop
+tape_model = make_model()
+hvd_tf.broadcast_variables(tape_model.variables, root_rank=ROOT)
+optimizer = keras.optimizers.SGD(0.05)
+for epoch in range(2):
+    for start in range(0, len(x), B):
+        xb, yb = x[start:start + B], y[start:start + B]
+        with tf.GradientTape() as tape:
+            loss = tf.reduce_mean(tf.square(tape_model(xb, training=True) - yb))
+        tape = hvd_tf.DistributedGradientTape(tape)
+        grads = tape.gradient(loss, tape_model.trainable_variables)
+        optimizer.apply_gradients(zip(grads, tape_model.trainable_variables))
+report["tape_weights"] = [w.tolist() for w in tape_model.get_weights()]
+
+# 4. Horovod's conventions: broadcast and allgather gradients averaged over ranks;
+#    ranks that disagree on a shape get FailedPreconditionError, and go on
+mine_x = tf.constant([float(RANK + 1)] * 2)
+with tf.GradientTape(persistent=True) as tape:
+    tape.watch(mine_x)
+    broadcast = hvd_tf.broadcast(mine_x, root_rank=ROOT)
+    gathered = hvd_tf.allgather(mine_x)
+    broadcast_loss = tf.reduce_sum(broadcast * float(RANK + 1))
+    gathered_loss = tf.reduce_sum(gathered * tf.range(1, 2 * SIZE + 1, dtype=tf.float32))
+report["broadcast_grad"] = tape.gradient(broadcast_loss, mine_x).numpy().tolist()
+report["allgather_grad"] = tape.gradient(gathered_loss, mine_x).numpy().tolist()
+try:
+    hvd_tf.allreduce(tf.ones([RANK + 1]))
+    report["mismatch"] = None
+except Exception as exc:  # noqa: BLE001 - the type is what the test checks
+    report["mismatch"] = type(exc).__name__
+report["sum_after"] = hvd_tf.allreduce(tf.constant([1.0]), op=hvd_tf.Sum).numpy().tolist()
+report["fusion_threshold"] = os.environ.get("MATEX_FUSION_THRESHOLD")
+
+with open("%s.rank%d.json" % (out, RANK), "w") as f:
+    json.dump(report, f)

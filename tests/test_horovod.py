@@ -1,0 +1,131 @@
+"""matex.horovod: unmodified Horovod scripts under --horovod, -m MODULE, horovodrun's flags."""
+
+import json
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+import mpitools
+
+ROOT = mpitools.ROOT
+SCRIPTS = ROOT / "tests" / "scripts"
+SCRIPT = str(SCRIPTS / "horovod_script.py")
+
+
+def _env(tmp_path):
+    env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2", MATEX_FLIGHT_DIR=str(tmp_path / "flight"))
+    env.pop("MATEX_FUSION_THRESHOLD", None)
+    return mpitools.launch.launch_env(env)
+
+
+def _run(cmd, tmp_path, cwd):
+    proc = subprocess.run(cmd, env=_env(tmp_path), cwd=cwd, capture_output=True, text=True,
+                          timeout=600)
+    assert proc.returncode == 0, (proc.stdout[-3000:], proc.stderr[-6000:])
+    return proc
+
+
+def _report(prefix, rank):
+    with open("%s.rank%d.json" % (prefix, rank)) as f:
+        return json.load(f)
+
+
+def _warmup_rates(size, steps, epochs, initial=0.1, warmup=2):
+    """Horovod's LearningRateWarmupCallback: per batch, epoch counted at the batch's end."""
+    rates, rate = [], initial
+    for epoch in range(epochs):
+        for batch in range(steps):
+            if epoch < warmup:
+                e = epoch + batch / steps + 1 / steps
+                rate = initial / size * (e * (size - 1) / warmup + 1)
+            rates.append(rate)
+    return rates
+
+
+def test_horovod_script_runs_unmodified_on_two_ranks_as_on_one(tmp_path):
+    """One launch of 2 ranks (as ``-m horovod_script``, with horovodrun's flags), one process.
+
+    fit with hvd.DistributedOptimizer and the callbacks, and a
+    DistributedGradientTape loop: weights bitwise equal across ranks and
+    equal (to float rounding) to one process on the global batch; the
+    warmup's rates are Horovod's formula; broadcast/allgather gradients are
+    Horovod's averages; a shape mismatch is FailedPreconditionError.
+    """
+    one, two = str(tmp_path / "one"), str(tmp_path / "two")
+    timeline = tmp_path / "timeline.json"
+    _run([sys.executable, "-m", "matex", "--horovod", SCRIPT, one], tmp_path, tmp_path)
+    proc = _run([sys.executable, "-m", "matex.launcher", "--horovod", "-np", "2",
+                 "--fusion-threshold-mb", "1", "--timeline-filename", str(timeline),
+                 "--cycle-time-ms", "1", "-m", "horovod_script", two], tmp_path, SCRIPTS)
+    # a flag with no meaning here is named once, by the launcher
+    assert proc.stderr.count("horovodrun's --cycle-time-ms has no meaning") == 1, proc.stderr
+    alone, ranks = _report(one, 0), [_report(two, r) for r in range(2)]
+    for report in [alone] + ranks:
+        assert report["names"] == ["matex.horovod.tensorflow.keras", "matex.horovod.tensorflow",
+                                   "matex.horovod.tensorflow.keras.callbacks"]
+    assert [r["size"] for r in ranks] == [2, 2] and alone["size"] == 1
+    assert [r["argv0"] for r in ranks] == ["horovod_script.py"] * 2   # -m: the module's file
+    for key in ("fit_weights", "tape_weights"):
+        for a, b, ref in zip(ranks[0][key], ranks[1][key], alone[key]):
+            assert np.array_equal(a, b), key           # replicas identical
+            np.testing.assert_allclose(a, ref, rtol=0, atol=2e-6, err_msg=key)
+    # MetricAverageCallback: the averaged loss is the global batch's, as alone
+    assert ranks[0]["fit_loss"] == ranks[1]["fit_loss"]
+    np.testing.assert_allclose(ranks[0]["fit_loss"], alone["fit_loss"], rtol=1e-5)
+    # 64 rows, global batch 16: 4 steps per epoch, 3 epochs, warmup over 2
+    for report, size in [(alone, 1)] + [(r, 2) for r in ranks]:
+        expected = _warmup_rates(size, 4, 3)
+        np.testing.assert_allclose(report["warmup_rates"], expected, rtol=1e-6)
+        np.testing.assert_allclose(report["warmup_logged_lr"], [expected[3], 0.1, 0.1],
+                                   rtol=1e-6)
+    assert ranks[0]["warmup_rates"][0] == pytest.approx(0.05625)
+    # root is rank 1: it gets the average of d(loss_r)/d(broadcast) = r + 1; rank 0 gets 0
+    assert ranks[1]["broadcast_grad"] == [1.5, 1.5] and ranks[0]["broadcast_grad"] == [0, 0]
+    # output gradient [1, 2, 3, 4] on both ranks: averaged (not summed), rank r's rows
+    assert ranks[0]["allgather_grad"] == [1, 2] and ranks[1]["allgather_grad"] == [3, 4]
+    assert [r["mismatch"] for r in ranks] == ["FailedPreconditionError"] * 2
+    assert [r["sum_after"] for r in ranks] == [[2.0], [2.0]]
+    # horovodrun's flags: 1 MiB fusion buckets; one merged timeline of both ranks
+    assert [r["fusion_threshold"] for r in ranks] == [str(1 << 20)] * 2
+    events = json.loads(timeline.read_text())
+    assert {e["pid"] for e in events} == {0, 1}
+    assert any(e.get("cat") != "__metadata" and e.get("ph") == "X" for e in events)
+
+
+def _dry_run(*args, cwd=None):
+    proc = subprocess.run([sys.executable, "-m", "matex.launcher", "--dry-run", *args],
+                          capture_output=True, text=True, timeout=120, cwd=cwd,
+                          env=dict(os.environ))
+    assert proc.returncode == 0, proc.stderr
+    return proc.stderr
+
+
+def test_horovodrun_flags_and_module_in_the_command(tmp_path):
+    hostfile = tmp_path / "hosts"
+    hostfile.write_text("localhost slots=3\n")   # horovodrun's format
+    err = _dry_run("--horovod", "--hostfile", str(hostfile), "--autotune", "--autotune",
+                   "--cache-capacity", "1024", "-m", "pytest", "-q", "x.py", "-k", "y")
+    command = err.strip().splitlines()[-1]
+    assert " -n 3 " in command, command
+    assert command.endswith("-m matex --horovod -m pytest -q x.py -k y"), command
+    assert err.count("--autotune has no meaning") == 1, err
+    assert err.count("--cache-capacity has no meaning") == 1, err
+    err = _dry_run("-np", "2", "-H", "localhost:2", "--network-interface", "lo", SCRIPT, "-m",
+                   "x")
+    command = err.strip().splitlines()[-1]
+    assert " -n 2 " in command and "--host localhost:2" in command and " lo " in command
+    assert command.endswith("-m matex %s -m x" % SCRIPT), command   # the script's own -m
+    assert "no meaning" not in err
+
+
+def test_python_m_matex_module_errors(tmp_path):
+    proc = subprocess.run([sys.executable, "-m", "matex", "-m", "no_such_module_here"],
+                          capture_output=True, text=True, timeout=120, cwd=tmp_path)
+    assert proc.returncode == 2
+    assert "matex: no module named no_such_module_here" in proc.stderr
+    proc = subprocess.run([sys.executable, "-m", "matex.launcher", "-m"],
+                          capture_output=True, text=True, timeout=120, cwd=tmp_path)
+    assert proc.returncode == 2 and "-m needs a module name" in proc.stderr
