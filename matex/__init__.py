@@ -61,6 +61,7 @@ __all__ = [
     "DistributedOptimizer", "DistributedGradientTape", "mpi_error_class", "shard", "is_sharded",
     "on_rank_loss", "run_resilient", "errors",
     "sparse_allreduce", "stats", "LocalSGD", "DiLoCo", "flush",
+    "alltoall", "reducescatter",
 ]
 
 _LAZY = {
@@ -80,6 +81,8 @@ _LAZY = {
     "LocalSGD": "matex.localsgd",              # fewer synchronisations (#14)
     "DiLoCo": "matex.localsgd",
     "flush": "matex._delayed",                 # apply delay=1's last gradient (#14)
+    "alltoall": "matex._collectives",          # Horovod's API (#25)
+    "reducescatter": "matex._collectives",
 }
 
 
@@ -88,6 +91,7 @@ from typing import TYPE_CHECKING  # noqa: E402
 if TYPE_CHECKING:   # type checkers and IDEs see the lazy names' own signatures
     from matex._batch_slicing import is_sharded, shard
     from matex._collectives import allgather, allreduce, broadcast, broadcast_variables
+    from matex._collectives import alltoall, reducescatter
     from matex._delayed import flush
     from matex._optimizer import DistributedOptimizer
     from matex._recovery import run_resilient

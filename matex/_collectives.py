@@ -9,7 +9,7 @@ the executor would otherwise pick. Eagerly, ops run in Python order.
 from __future__ import annotations
 
 import weakref
-from typing import Iterable
+from typing import Iterable, Sequence
 
 import tensorflow as tf
 
@@ -17,8 +17,9 @@ from matex import _native, _runtime
 from matex._runtime import _run_as_is
 from matex.errors import mpi_error_class  # noqa: F401 - re-exported
 
-REDUCE_OPS = ("sum", "average", "min", "max")
-DTYPES = (tf.float16, tf.bfloat16, tf.float32, tf.float64, tf.int32, tf.int64)
+REDUCE_OPS = ("sum", "average", "min", "max", "product")
+DTYPES = (tf.float16, tf.bfloat16, tf.float32, tf.float64, tf.int32, tf.int64,
+          tf.uint8, tf.int8, tf.uint16, tf.int16, tf.bool)
 
 
 _barriers = weakref.WeakKeyDictionary()   # graph -> op every later collective waits for
@@ -78,16 +79,25 @@ def _check_op(op):
         raise ValueError("op must be one of %s, not %r" % (", ".join(REDUCE_OPS), op))
 
 
+def _check_bool(tensor, op, what):
+    """Booleans reduce with min (and), max (or) and product (and) only: a sum leaves {0, 1}."""
+    if (op == "sum" or op == "average") and tensor.dtype.is_bool:
+        raise TypeError("matex.%s of bool tensors supports op min (logical and), max "
+                        "(logical or) and product, not %r" % (what, op))
+
+
 @_run_as_is
 def allreduce(tensor: tf.Tensor, op: str = "average", name: str | None = None,
               comm: int = 0) -> tf.Tensor:
     """Reduce ``tensor`` over all ranks; every rank gets the result.
 
     Args:
-      tensor: a tensor of float16, bfloat16, float32, float64, int32 or int64,
-        of the same shape on every rank.
+      tensor: a tensor of float16, bfloat16, float32, float64, int32, int64,
+        uint8, int8, uint16, int16 or bool, of the same shape on every rank.
       op: "sum", "average" (the sum divided by the number of ranks at the time
-        the op runs; integers truncate), "min" or "max".
+        the op runs; integers truncate), "min", "max" or "product" (MPI_PROD;
+        its gradient is exact, with zeros too). Small integers wrap as C's do;
+        bool tensors take min (and), max (or) and product (and) only.
       comm: the communicator slot (``matex._runtime.register_comm``); 0, the
         default, is the data communicator ``matex.comm()``.
     Returns:
@@ -99,6 +109,7 @@ def allreduce(tensor: tf.Tensor, op: str = "average", name: str | None = None,
     """
     _check_op(op)
     tensor = _as_tensor(tensor, "allreduce")
+    _check_bool(tensor, op, "allreduce")
     return _issue(_ops().matex_allreduce, tensor, reduce_op=op, comm=int(comm), name=name)
 
 
@@ -107,6 +118,8 @@ def grouped_allreduce(tensors, op="average", name=None, comm=0):
     """Reduce several tensors of one dtype with one fused MPI call."""
     _check_op(op)
     tensors = [_as_tensor(t, "grouped_allreduce") for t in tensors]
+    if tensors:
+        _check_bool(tensors[0], op, "grouped_allreduce")
     return _issue(_ops().matex_grouped_allreduce, tensors, reduce_op=op, comm=int(comm),
                   name=name)
 
@@ -127,6 +140,70 @@ def allgather(tensor: tf.Tensor, name: str | None = None, comm: int = 0) -> tf.T
     """
     tensor = _as_tensor(tensor, "allgather")
     return _issue(_ops().matex_allgather, tensor, comm=int(comm), name=name)
+
+
+@_run_as_is
+def alltoall(tensor: tf.Tensor, splits: tf.Tensor | Sequence[int] | None = None,
+             name: str | None = None, comm: int = 0) -> tuple[tf.Tensor, tf.Tensor]:
+    """Send rows ``splits[j]`` of ``tensor`` (along axis 0) to rank j; receive from all.
+
+    Rank i sends its first ``splits[0]`` rows to rank 0, the next ``splits[1]``
+    to rank 1, and so on; every rank returns the rows it received,
+    concatenated in rank order, and how many came from each rank.
+
+    Args:
+      tensor: a tensor of rank >= 1 of any MaTEx dtype (``DTYPES``); the first
+        dimension may differ between ranks, the others must agree.
+      splits: one non-negative count per rank, summing to ``tensor``'s first
+        dimension; None splits it in equal parts (the first dimension must then
+        divide by the number of ranks).
+      comm: the communicator slot.
+    Returns:
+      ``(output, received_splits)``: ``output`` has the rows received (their
+      sum is its first dimension); ``received_splits`` (int32) has one count
+      per rank. The gradient is the alltoall of the output's gradient back
+      with ``received_splits``.
+    Raises:
+      tf.errors.InvalidArgumentError on every rank, with one message naming
+      each offending rank, when some rank's splits are wrong (count, sign,
+      sum, an unequal default split) or ranks disagree on dtype or the
+      dimensions after the first.
+    """
+    tensor = _as_tensor(tensor, "alltoall")
+    if splits is None:
+        splits = tf.zeros([0], tf.int64)   # empty: equal parts (decided in the op)
+    else:
+        splits = tf.cast(splits, tf.int64)
+    output, received = _issue(_ops().matex_alltoall, tensor, splits, comm=int(comm), name=name)
+    return output, received
+
+
+@_run_as_is
+def reducescatter(tensor: tf.Tensor, op: str = "average", name: str | None = None,
+                  comm: int = 0) -> tf.Tensor:
+    """Reduce ``tensor`` over all ranks and return this rank's part of axis 0.
+
+    Rank r gets rows ``[r*q + min(r, m), ...)`` of the reduced tensor, ``q + 1``
+    of them if ``r < m`` else ``q``, where ``q, m = divmod(n, size)`` for ``n``
+    rows (Horovod's split: the first ``n % size`` ranks get one more row).
+
+    Args:
+      tensor: a tensor of rank >= 1, of the same shape and dtype on every rank.
+      op: "sum", "average" (integers truncate), "min", "max" or "product";
+        bool tensors take min, max and product.
+      comm: the communicator slot.
+    Returns:
+      A tensor with this rank's rows. The gradient of "sum" is the allgather
+      of the output gradients (every rank's loss counted), divided by the
+      size for "average".
+    Raises:
+      tf.errors.InvalidArgumentError on every rank if ranks disagree on shape,
+      dtype or op, or for a scalar.
+    """
+    _check_op(op)
+    tensor = _as_tensor(tensor, "reducescatter")
+    _check_bool(tensor, op, "reducescatter")
+    return _issue(_ops().matex_reducescatter, tensor, reduce_op=op, comm=int(comm), name=name)
 
 
 @_run_as_is
@@ -151,12 +228,31 @@ def _extreme_grad(x, y, grad, comm):
     return tf.where(tf.equal(x, y), summed, tf.zeros_like(summed))
 
 
+def _others_product(x, comm):
+    """Per element, the product over the other ranks of their ``x`` (exact with zeros).
+
+    From the product of the nonzero entries and the count of zeros: an element
+    that is 0 here gets that product if it is the only zero, else 0; a nonzero
+    one gets the full product divided by itself.
+    """
+    zero = tf.equal(x, 0)
+    one = tf.ones_like(x)
+    zeros = _ops().matex_allreduce(tf.cast(zero, x.dtype), reduce_op="sum", comm=comm)
+    nonzero = _ops().matex_allreduce(tf.where(zero, one, x), reduce_op="product", comm=comm)
+    none = tf.zeros_like(x)
+    return tf.where(zero, tf.where(tf.equal(zeros, 1), nonzero, none),
+                    tf.where(tf.equal(zeros, 0), nonzero / tf.where(zero, one, x), none))
+
+
 @tf.RegisterGradient("MatexAllreduce")
 def _allreduce_grad(op, grad):
     kind = op.get_attr("reduce_op").decode()
     comm = op.get_attr("comm")
     if kind in ("sum", "average"):
         return _ops().matex_allreduce(grad, reduce_op=kind, comm=comm)
+    if kind == "product":   # every rank's loss: the summed gradient times the others' product
+        summed = _ops().matex_allreduce(grad, reduce_op="sum", comm=comm)
+        return summed * _others_product(op.inputs[0], comm)
     return _extreme_grad(op.inputs[0], op.outputs[0], grad, comm)
 
 
@@ -167,6 +263,9 @@ def _grouped_allreduce_grad(op, *grads):
     grads = [tf.zeros_like(x) if g is None else g for x, g in zip(op.inputs, grads)]
     if kind in ("sum", "average"):
         return _ops().matex_grouped_allreduce(grads, reduce_op=kind, comm=comm)
+    if kind == "product":
+        summed = _ops().matex_grouped_allreduce(grads, reduce_op="sum", comm=comm)
+        return [s * _others_product(x, comm) for x, s in zip(op.inputs, summed)]
     return [_extreme_grad(x, y, g, comm) for x, y, g in zip(op.inputs, op.outputs, grads)]
 
 
@@ -189,6 +288,33 @@ def _allgather_grad(op, grad):
     offset = tf.reduce_sum(sizes[:rank])
     summed = _ops().matex_allreduce(grad, reduce_op="sum", comm=comm)
     return summed[offset:offset + sizes[rank]]
+
+
+@tf.RegisterGradient("MatexAlltoall")
+def _alltoall_grad(op, grad, _received_splits_grad):
+    # Each received row's gradient goes back to the rank that sent it.
+    back, _ = _ops().matex_alltoall(grad, tf.cast(op.outputs[1], tf.int64),
+                                    comm=op.get_attr("comm"))
+    return [back, None]
+
+
+@tf.RegisterGradient("MatexReducescatter")
+def _reducescatter_grad(op, grad):
+    # Rank r's output rows depend on every rank's rows of that part: each rank
+    # gets the gradients of all parts, in rank order (an allgather).
+    kind = op.get_attr("reduce_op").decode()
+    comm = op.get_attr("comm")
+    full = _ops().matex_allgather(grad, comm=comm)
+    x = op.inputs[0]
+    if kind == "sum":
+        return full
+    if kind == "average":
+        _, size = _ops().matex_comm_info(comm=comm)
+        return full / tf.cast(size, full.dtype)
+    if kind == "product":
+        return full * _others_product(x, comm)
+    y = _ops().matex_allgather(op.outputs[0], comm=comm)   # min, max: the holders of the extreme
+    return tf.where(tf.equal(x, y), full, tf.zeros_like(full))
 
 
 tf.no_gradient("MatexCommInfo")

@@ -20,8 +20,9 @@ from matex import _config
 FORMAT = "matex-flight/2"   # /2: entries name their communicator (comm, comm_seq)
 KINDS = {1: "allreduce", 2: "fused allreduce", 3: "broadcast", 4: "allgather",
          5: "send", 6: "receive", 7: "send-receive", 8: "sparse allreduce",
-         9: "non-blocking allreduce"}   # internal::Kind in tf_ops/core/internal.h
-REDUCE_OPS = ("sum", "average", "min", "max")
+         9: "non-blocking allreduce", 10: "alltoall",
+         11: "reducescatter"}   # internal::Kind in tf_ops/core/internal.h
+REDUCE_OPS = ("sum", "average", "min", "max", "product")
 STATES = ("pending", "ok", "mismatch", "MPI error", "invalid")
 
 _last_dump = 0.0   # time.time() of this process's last dump
@@ -31,8 +32,8 @@ def describe(entry: dict) -> str:
     """One collective for people: ``allreduce(sum) of float32[4,4]``."""
     kind = KINDS.get(entry.get("kind"), "collective")
     param = entry.get("param", 0)
-    if entry.get("kind") in (1, 2):
-        head = "%s(%s)" % (kind, REDUCE_OPS[param] if 0 <= param < 4 else param)
+    if entry.get("kind") in (1, 2, 11):
+        head = "%s(%s)" % (kind, REDUCE_OPS[param] if 0 <= param < len(REDUCE_OPS) else param)
     elif entry.get("kind") == 3:
         head = "broadcast(root=%d)" % param
     else:

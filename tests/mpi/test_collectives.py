@@ -274,8 +274,282 @@ def test_bad_root_and_bad_op_and_dtype():
         matex.broadcast(tf.ones([2]), root=N)
     with pytest.raises(ValueError, match="op must be one of"):
         matex.allreduce(tf.ones([2]), op="mean")
-    with pytest.raises(TypeError, match="does not support dtype uint8"):
-        matex.allreduce(tf.ones([2], tf.uint8))
+    with pytest.raises(TypeError, match="does not support dtype uint32"):
+        matex.allreduce(tf.ones([2], tf.uint32))
+
+
+# ---- alltoall, reducescatter, product, small integer and bool dtypes (#25) ----
+
+SMALL = [tf.uint8, tf.int8, tf.uint16, tf.int16, tf.bool]
+ALL_DTYPES = DTYPES + SMALL
+
+
+def small_values(r, shape, dtype):
+    """Rank r's input for the exact checks: 0..3 (0/1 for bool), wrap-free in every dtype."""
+    rng = np.random.default_rng(2000 + r)
+    high = 2 if dtype == tf.bool else 4
+    return rng.integers(0, high, size=shape).astype(np_dtype(dtype))
+
+
+def np_reduce(op, stack, dtype):
+    """NumPy's reduction over axis 0 in `dtype` (small integers wrap as C's do)."""
+    d = np_dtype(dtype)
+    if op == "sum":
+        return stack.sum(0, dtype=d)
+    if op == "average":
+        total = stack.sum(0, dtype=d).astype(np.float64)
+        return (np.trunc(total / N) if dtype.is_integer else total / N).astype(d)
+    if op == "min":
+        return stack.min(0)
+    if op == "max":
+        return stack.max(0)
+    return stack.prod(0, dtype=d)
+
+
+def assert_reduced(got, want, dtype, what):
+    """Integers and bools exactly; floats to their precision."""
+    if dtype.is_floating:
+        np.testing.assert_allclose(got.numpy().astype(np.float64), want.astype(np.float64),
+                                   rtol=tolerance(dtype), err_msg=what)
+    else:
+        np.testing.assert_array_equal(got.numpy(), want, err_msg=what)
+
+
+def ops_for(dtype):
+    return ["min", "max", "product"] if dtype == tf.bool else OPS + ["product"]
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_allreduce_product_and_small_dtypes(mode):
+    # the new dtypes with every op they take, and product for every dtype (one trace)
+    ops = [ops_for(d) if d in SMALL else ["product"] for d in ALL_DTYPES]
+    xs = [tf.constant(small_values(R, (3, 4), d)) for d in ALL_DTYPES]
+
+    def reduce_all(*ts):
+        return [([matex.allreduce(t, op=op) for op in o],
+                 _collectives.grouped_allreduce([t, t[0]], op="product")[1])
+                for t, o in zip(ts, ops)]
+
+    for dtype, o, (got, grouped) in zip(ALL_DTYPES, ops, run(mode, reduce_all, *xs)):
+        stack = np.stack([small_values(r, (3, 4), dtype) for r in range(N)])
+        for op, g in zip(o, got):
+            assert g.dtype == dtype, (dtype, op)
+            assert_reduced(g, np_reduce(op, stack, dtype), dtype, "%s %s" % (dtype.name, op))
+        assert_reduced(grouped, np_reduce("product", stack, dtype)[0], dtype, dtype.name)
+
+
+def test_small_integers_wrap_as_c_does():
+    x = tf.constant([100, -100], tf.int8)
+    np.testing.assert_array_equal(matex.allreduce(x, "sum").numpy(),
+                                  np.array([100 * N, -100 * N]).astype(np.int8))
+    u = tf.constant([200], tf.uint8)
+    assert matex.allreduce(u, "sum").numpy()[0] == (200 * N) % 256
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_broadcast_and_allgather_of_small_dtypes(mode):
+    xs = [tf.constant(small_values(R, (R + 1, 3), d)) for d in SMALL]
+    got = run(mode, lambda *ts: [(matex.broadcast(t[:1], root=N - 1), matex.allgather(t))
+                                 for t in ts], *xs)
+    for dtype, (b, g) in zip(SMALL, got):
+        assert b.dtype == g.dtype == dtype
+        np.testing.assert_array_equal(b.numpy(), small_values(N - 1, (N, 3), dtype)[:1])
+        np.testing.assert_array_equal(
+            g.numpy(), np.concatenate([small_values(r, (r + 1, 3), dtype) for r in range(N)]))
+
+
+def a2a_splits(r):
+    """Rank r's splits: uneven, with zeros (some rank sends some rank nothing)."""
+    return [(r + 2 * j) % 3 for j in range(N)]
+
+
+def a2a_input(r, dtype, width=2):
+    rows = sum(a2a_splits(r))
+    vals = (np.arange(rows * width).reshape(rows, width) + 20 * r) % 64
+    if dtype == tf.bool:
+        vals = vals % 2
+    return vals.astype(np_dtype(dtype))
+
+
+def a2a_expected(dest, dtype, width=2):
+    parts = []
+    for r in range(N):
+        s = a2a_splits(r)
+        off = sum(s[:dest])
+        parts.append(a2a_input(r, dtype, width)[off:off + s[dest]])
+    return np.concatenate(parts), [a2a_splits(r)[dest] for r in range(N)]
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_alltoall_uneven_splits_every_dtype(mode):
+    xs = [tf.constant(a2a_input(R, d)) for d in ALL_DTYPES]
+    got = run(mode, lambda *ts: [matex.alltoall(t, a2a_splits(R)) for t in ts], *xs)
+    for dtype, (out, received) in zip(ALL_DTYPES, got):
+        want, want_splits = a2a_expected(R, dtype)
+        assert out.dtype == dtype and received.dtype == tf.int32
+        assert out.shape == want.shape, (dtype, out.shape, want.shape)
+        np.testing.assert_array_equal(out.numpy(), want, err_msg=dtype.name)
+        assert received.numpy().tolist() == want_splits
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_alltoall_equal_split_and_empty(mode):
+    # None: equal parts; rank r's k-th part goes to rank k
+    x = tf.constant(np.arange(2 * N * 6, dtype=np.float32).reshape(2 * N, 3, 2) + 1000 * R)
+    out, received = run(mode, matex.alltoall, x)
+    want = np.concatenate([np.arange(2 * N * 6, dtype=np.float32).reshape(2 * N, 3, 2)
+                           [2 * R:2 * R + 2] + 1000 * r for r in range(N)])
+    np.testing.assert_array_equal(out.numpy(), want)
+    assert received.numpy().tolist() == [2] * N
+    out, received = run(mode, matex.alltoall, tf.zeros([0, 4], tf.int16))
+    assert out.shape == (0, 4) and received.numpy().tolist() == [0] * N
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_reducescatter_every_dtype_and_op_uneven_rows(mode):
+    rows = 2 * N + 1        # rank 0 gets 3 rows, the others 2 (Horovod's split)
+    q, m = divmod(rows, N)
+    lo = R * q + min(R, m)
+    hi = lo + q + (R < m)
+    xs = [tf.constant(small_values(R, (rows, 2), d)) for d in ALL_DTYPES]
+
+    def scatter_all(*ts):
+        return [[matex.reducescatter(t, op=op) for op in ops_for(d)]
+                for t, d in zip(ts, ALL_DTYPES)]
+
+    for dtype, got in zip(ALL_DTYPES, run(mode, scatter_all, *xs)):
+        stack = np.stack([small_values(r, (rows, 2), dtype) for r in range(N)])
+        for op, g in zip(ops_for(dtype), got):
+            assert g.dtype == dtype and g.shape == (hi - lo, 2), (dtype, op, g.shape)
+            assert_reduced(g, np_reduce(op, stack, dtype)[lo:hi], dtype,
+                           "%s %s" % (dtype.name, op))
+
+
+def test_reducescatter_fewer_rows_than_ranks():
+    got = matex.reducescatter(tf.ones([1, 2]), op="sum")
+    assert got.shape == ((1, 2) if R == 0 else (0, 2))
+    np.testing.assert_array_equal(got.numpy(), np.full(got.shape, float(N)))
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_alltoall_gradient_returns_to_the_sender(mode):
+    x = tf.Variable(a2a_input(R, tf.float32))
+
+    def grad():
+        with tf.GradientTape() as tape:
+            out, _ = matex.alltoall(x, a2a_splits(R))
+            y = tf.reduce_sum(out * (R + 1.0))
+        return tape.gradient(y, x)
+
+    # the rows rank R sent to rank j get j + 1 (j's loss weight)
+    want = np.concatenate([np.full((s, 2), j + 1.0) for j, s in enumerate(a2a_splits(R))])
+    np.testing.assert_array_equal(run(mode, grad).numpy(), want)
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_reducescatter_gradients(mode):
+    rows = 2 * N + 1
+    q, m = divmod(rows, N)
+    owner = np.array([r for r in range(N) for _ in range(q + (r < m))])   # row -> its rank
+    # distinct values: rank r's element (i, k) is (i + 1) * (1 + k) + 0.5 r, so the
+    # last rank holds every max and rank 0 every min
+    x = tf.Variable(np.fromfunction(lambda i, k: (i + 1) * (1 + k) + 0.5 * R, (rows, 2))
+                    .astype(np.float64))
+
+    def grads():
+        out = []
+        for op in ["sum", "average", "min", "max", "product"]:
+            with tf.GradientTape() as tape:
+                y = tf.reduce_sum(matex.reducescatter(x, op=op) * (R + 1.0))
+            out.append(tape.gradient(y, x))
+        return out
+
+    s, a, lo, hi, p = [g.numpy() for g in run(mode, grads)]
+    weight = (owner + 1.0)[:, None] * np.ones((rows, 2))   # d loss / d output row
+    np.testing.assert_array_equal(s, weight)
+    np.testing.assert_allclose(a, weight / N)
+    np.testing.assert_array_equal(lo, weight * (R == 0))
+    np.testing.assert_array_equal(hi, weight * (R == N - 1))
+    allx = np.stack([np.fromfunction(lambda i, k: (i + 1) * (1 + k) + 0.5 * r, (rows, 2))
+                     for r in range(N)])
+    others = np.prod(np.delete(allx, R, axis=0), axis=0)
+    np.testing.assert_allclose(p, weight * others, rtol=1e-12)
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_allreduce_product_gradient_exact_with_zeros(mode):
+    # element 0: zero on rank 0 only; element 1: zero on ranks 0 and 1; element 2: none
+    vals = [0.0 if R == 0 else R + 1.0, 0.0 if R < 2 else 3.0, R + 2.0]
+    x = tf.Variable(vals, dtype=tf.float64)
+
+    def grad():
+        with tf.GradientTape() as tape:
+            y = tf.reduce_sum(matex.allreduce(x, "product") * (R + 1.0))
+        return tape.gradient(y, x)
+
+    allx = np.array([[0.0 if r == 0 else r + 1.0, 0.0 if r < 2 else 3.0, r + 2.0]
+                     for r in range(N)])
+    others = np.prod(np.delete(allx, R, axis=0), axis=0)
+    total = sum(r + 1.0 for r in range(N))
+    np.testing.assert_allclose(run(mode, grad).numpy(), total * others, rtol=1e-12)
+
+
+def test_alltoall_and_reducescatter_mismatches_fail_on_every_rank():
+    cases = [
+        lambda: matex.alltoall(tf.ones([N], tf.float32 if R == 0 else tf.int32)),
+        lambda: matex.alltoall(tf.ones([N, 2 + (R == N - 1)])),
+        lambda: matex.reducescatter(tf.ones([N + (R == 0), 2]), op="sum"),
+        lambda: matex.reducescatter(tf.ones([N]), op="sum" if R else "max"),
+    ]
+    for case in cases:
+        with pytest.raises(tf.errors.InvalidArgumentError) as info:
+            case()
+        assert matex.errors.is_mismatch(info.value)
+        for r in range(N):
+            assert "rank %d:" % r in str(info.value)
+    assert float(matex.allreduce(tf.constant(1.0), "sum")) == N
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_alltoall_invalid_splits_on_one_rank_fail_everywhere_alike(mode):
+    bad = N - 1
+    # rank `bad` passes splits that sum to one row too many; the others are right
+    splits = [1] * N
+    if R == bad:
+        splits[0] = 2
+    with pytest.raises(tf.errors.InvalidArgumentError) as info:
+        run(mode, lambda t: matex.alltoall(t, splits), tf.ones([N, 2]))
+    assert ("invalid splits on rank %d: splits sum to %d, not to the first dimension %d"
+            % (bad, N + 1, N)) in str(info.value)
+    # an equal split that does not divide, on rank 0 only
+    with pytest.raises(tf.errors.InvalidArgumentError,
+                       match="rank 0: the first dimension %d does not split equally" % (N + 1)):
+        matex.alltoall(tf.ones([N + (R == 0)]))
+    with pytest.raises(tf.errors.InvalidArgumentError, match="rank %d: 1 splits for %d ranks"
+                       % (bad, N)):
+        matex.alltoall(tf.ones([N]), [N] if R == bad else [1] * N)
+    with pytest.raises(tf.errors.InvalidArgumentError, match="scalar"):
+        matex.reducescatter(tf.constant(1.0), op="sum")
+    out, _ = matex.alltoall(tf.ones([N]))   # still in step
+    assert out.shape == (N,)
+
+
+def test_bool_sums_are_refused():
+    for fn in (matex.allreduce, matex.reducescatter):
+        with pytest.raises(TypeError, match="bool tensors supports op min"):
+            fn(tf.ones([N], tf.bool), op="sum")
+
+
+def test_flight_recorder_names_alltoall_reducescatter_and_new_dtypes():
+    from matex.flight import _recorder
+
+    core = _runtime._core()
+    if core.flight_capacity() == 0:
+        pytest.skip("flight recorder off")
+    matex.reducescatter(tf.ones([N, 2], tf.int8), op="product")
+    matex.alltoall(tf.ones([N], tf.bool))
+    ops = [_recorder._entry(e)["op"] for e in core.flight_entries()[-2:]]
+    assert ops == ["reducescatter(product) of int8[%d,2]" % N, "alltoall of bool[%d]" % N]
 
 
 def test_order_is_program_order_inside_tf_function():

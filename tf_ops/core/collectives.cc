@@ -134,14 +134,17 @@ void HalfReduce(void* in, void* inout, int* len, MPI_Datatype*) {
   uint16_t* b = static_cast<uint16_t*>(inout);
   for (int i = 0; i < *len; ++i) {
     float x = ToF(a[i]), y = ToF(b[i]);
-    float r = kOp == 0 ? x + y : (kOp == 1 ? std::min(x, y) : std::max(x, y));
+    float r = kOp == 0   ? x + y
+              : kOp == 1 ? std::min(x, y)
+              : kOp == 2 ? std::max(x, y)
+                         : x * y;
     b[i] = FromF(r);
   }
 }
 
-struct HalfOps {
-  MPI_Op f16[3];
-  MPI_Op bf16[3];
+struct HalfOps {   // sum, min, max, product
+  MPI_Op f16[4];
+  MPI_Op bf16[4];
 };
 
 const HalfOps& GetHalfOps() {
@@ -151,9 +154,11 @@ const HalfOps& GetHalfOps() {
     MPI_Op_create(&HalfReduce<Float16ToFloat, FloatToFloat16, 0>, 1, &h.f16[0]);
     MPI_Op_create(&HalfReduce<Float16ToFloat, FloatToFloat16, 1>, 1, &h.f16[1]);
     MPI_Op_create(&HalfReduce<Float16ToFloat, FloatToFloat16, 2>, 1, &h.f16[2]);
+    MPI_Op_create(&HalfReduce<Float16ToFloat, FloatToFloat16, 3>, 1, &h.f16[3]);
     MPI_Op_create(&HalfReduce<BFloat16ToFloat, FloatToBFloat16, 0>, 1, &h.bf16[0]);
     MPI_Op_create(&HalfReduce<BFloat16ToFloat, FloatToBFloat16, 1>, 1, &h.bf16[1]);
     MPI_Op_create(&HalfReduce<BFloat16ToFloat, FloatToBFloat16, 2>, 1, &h.bf16[2]);
+    MPI_Op_create(&HalfReduce<BFloat16ToFloat, FloatToBFloat16, 3>, 1, &h.bf16[3]);
     return h;
   }();
   return ops;
@@ -167,15 +172,21 @@ MPI_Datatype MpiType(DataType dtype) {
     case DataType::kFloat64: return MPI_DOUBLE;
     case DataType::kInt32: return MPI_INT32_T;
     case DataType::kInt64: return MPI_INT64_T;
+    case DataType::kUInt8:
+    case DataType::kBool: return MPI_UINT8_T;
+    case DataType::kInt8: return MPI_INT8_T;
+    case DataType::kUInt16: return MPI_UINT16_T;
+    case DataType::kInt16: return MPI_INT16_T;
   }
   return MPI_DATATYPE_NULL;
 }
 
 MPI_Op MpiOp(DataType dtype, ReduceOp op) {
-  int k = (op == ReduceOp::kMin) ? 1 : (op == ReduceOp::kMax) ? 2 : 0;
+  int k = (op == ReduceOp::kMin) ? 1 : (op == ReduceOp::kMax) ? 2 : (op == ReduceOp::kProduct) ? 3 : 0;
   if (dtype == DataType::kFloat16) return GetHalfOps().f16[k];
   if (dtype == DataType::kBFloat16) return GetHalfOps().bf16[k];
-  return k == 0 ? MPI_SUM : (k == 1 ? MPI_MIN : MPI_MAX);
+  static const MPI_Op kOps[4] = {MPI_SUM, MPI_MIN, MPI_MAX, MPI_PROD};
+  return kOps[k];
 }
 
 // Divide a summed buffer by the number of ranks (integers truncate, as C does).
@@ -204,6 +215,11 @@ void Average(void* data, int64_t n, DataType dtype, int size) {
     case DataType::kFloat64: DivideBy(static_cast<double*>(data), n, size); break;
     case DataType::kInt32: DivideBy(static_cast<int32_t*>(data), n, size); break;
     case DataType::kInt64: DivideBy(static_cast<int64_t*>(data), n, size); break;
+    case DataType::kUInt8:
+    case DataType::kBool: DivideBy(static_cast<uint8_t*>(data), n, size); break;
+    case DataType::kInt8: DivideBy(static_cast<int8_t*>(data), n, size); break;
+    case DataType::kUInt16: DivideBy(static_cast<uint16_t*>(data), n, size); break;
+    case DataType::kInt16: DivideBy(static_cast<int16_t*>(data), n, size); break;
   }
 }
 
@@ -247,7 +263,7 @@ uint64_t SignatureHash(Kind kind, DataType dtype, int64_t param, const Shapes& s
   add(int64_t(dtype));
   add(param);
   add(int64_t(shapes.size()));
-  const bool skip_first = kind == Kind::kAllgather;
+  const bool skip_first = kind == Kind::kAllgather || kind == Kind::kAlltoall;
   for (const auto* shape : shapes) {
     add(int64_t(shape->size()));
     for (size_t i = skip_first ? 1 : 0; i < shape->size(); ++i) add((*shape)[i]);
@@ -280,10 +296,12 @@ std::string SignatureText(Kind kind, DataType dtype, int64_t param, const Shapes
     case Kind::kSendRecv: t << "send-receive with " << param << " of "; break;
     case Kind::kSparseAllreduce: t << "sparse allreduce of "; break;
     case Kind::kIallreduce: t << "non-blocking allreduce(" << ReduceOpName(ReduceOp(param)) << ") of "; break;
+    case Kind::kAlltoall: t << "alltoall of "; break;
+    case Kind::kReducescatter: t << "reducescatter(" << ReduceOpName(ReduceOp(param)) << ") of "; break;
     default: t << "collective kind " << int64_t(kind) << " of "; break;
   }
   if (shapes.size() == 1) {
-    t << ShapeText(dtype, *shapes[0], kind == Kind::kAllgather);
+    t << ShapeText(dtype, *shapes[0], kind == Kind::kAllgather || kind == Kind::kAlltoall);
   } else {
     int64_t total = 0;
     for (const auto* s : shapes) {
@@ -319,8 +337,13 @@ using namespace internal;
 
 size_t DataTypeSize(DataType dtype) {
   switch (dtype) {
+    case DataType::kUInt8:
+    case DataType::kInt8:
+    case DataType::kBool: return 1;
     case DataType::kFloat16:
-    case DataType::kBFloat16: return 2;
+    case DataType::kBFloat16:
+    case DataType::kUInt16:
+    case DataType::kInt16: return 2;
     case DataType::kFloat32:
     case DataType::kInt32: return 4;
     case DataType::kFloat64:
@@ -337,6 +360,11 @@ const char* DataTypeName(DataType dtype) {
     case DataType::kFloat64: return "float64";
     case DataType::kInt32: return "int32";
     case DataType::kInt64: return "int64";
+    case DataType::kUInt8: return "uint8";
+    case DataType::kInt8: return "int8";
+    case DataType::kUInt16: return "uint16";
+    case DataType::kInt16: return "int16";
+    case DataType::kBool: return "bool";
   }
   return "?";
 }
@@ -347,6 +375,7 @@ const char* ReduceOpName(ReduceOp op) {
     case ReduceOp::kAverage: return "average";
     case ReduceOp::kMin: return "min";
     case ReduceOp::kMax: return "max";
+    case ReduceOp::kProduct: return "product";
   }
   return "?";
 }
@@ -609,6 +638,187 @@ Status Allgather(const TensorRef& in, DataType dtype,
                           displs.data(), row, comm);
   MPI_Type_free(&row);
   if (rc != MPI_SUCCESS) return MpiFailure(rc, "MPI_Allgatherv");
+  return Status::Ok();
+  }());
+}
+
+namespace {
+
+// A contiguous MPI datatype of `row_bytes` bytes (one row of a tensor), freed
+// when it goes out of scope.
+class RowType {
+ public:
+  Status Make(int64_t row_bytes) {
+    MATEX_MPI(MPI_Type_contiguous(int(row_bytes), MPI_BYTE, &type_), "MPI_Type_contiguous");
+    MATEX_MPI(MPI_Type_commit(&type_), "MPI_Type_commit");
+    return Status::Ok();
+  }
+  ~RowType() {
+    if (type_ != MPI_DATATYPE_NULL) MPI_Type_free(&type_);
+  }
+  MPI_Datatype get() const { return type_; }
+
+ private:
+  MPI_Datatype type_ = MPI_DATATYPE_NULL;
+};
+
+int64_t RowElements(const std::vector<int64_t>& shape) {
+  int64_t n = 1;
+  for (size_t i = 1; i < shape.size(); ++i) n *= shape[i];
+  return n;
+}
+
+// This rank's send counts for an alltoall of `rows` rows, or why `splits`
+// are not valid ("" when they are).
+std::string AlltoallCounts(const std::vector<int64_t>& splits, int64_t rows, int size,
+                           std::vector<int64_t>* send) {
+  send->assign(size_t(size), 0);
+  if (splits.empty()) {
+    if (rows % size != 0) {
+      return "the first dimension " + std::to_string(rows) + " does not split equally over " +
+             std::to_string(size) + " ranks (pass splits)";
+    }
+    std::fill(send->begin(), send->end(), rows / size);
+    return "";
+  }
+  if (splits.size() != size_t(size)) {
+    return std::to_string(splits.size()) + " splits for " + std::to_string(size) + " ranks";
+  }
+  int64_t total = 0;
+  for (int64_t v : splits) {
+    if (v < 0) return "a negative split (" + std::to_string(v) + ")";
+    total += v;
+  }
+  if (total != rows) {
+    return "splits sum to " + std::to_string(total) + ", not to the first dimension " +
+           std::to_string(rows);
+  }
+  *send = splits;
+  return "";
+}
+
+}  // namespace
+
+Status Alltoall(const TensorRef& in, const std::vector<int64_t>& splits, DataType dtype,
+                const std::function<void*(int64_t total_rows)>& allocate,
+                std::vector<int64_t>* recv_splits, int slot) {
+  MPI_Comm comm;
+  Status s = CurrentComm(&comm, slot);
+  if (!s.ok()) return s;
+  std::lock_guard<std::mutex> serial(CollectiveMutex(slot));
+  Agreement check(comm, Kind::kAlltoall, dtype, 0, {&in.shape});
+  return check.Done([&] {
+  Status s = check.Agree();   // same dtype and rank, same dims but the first
+  if (!s.ok()) return s;
+  if (in.shape.empty()) {     // then a scalar on every rank
+    return Status::Invalid("alltoall needs a tensor of rank >= 1 (got a scalar)");
+  }
+  int size = 0, rank = 0;
+  MATEX_MPI(MPI_Comm_size(comm, &size), "MPI_Comm_size");
+  MATEX_MPI(MPI_Comm_rank(comm, &rank), "MPI_Comm_rank");
+  const int64_t row_bytes = RowElements(in.shape) * int64_t(DataTypeSize(dtype));
+  std::vector<int64_t> send;
+  std::string why = AlltoallCounts(splits, in.shape[0], size, &send);
+  if (why.empty() && (in.shape[0] > INT_MAX || row_bytes > INT_MAX)) {
+    why = "more than 2^31 rows or a row over 2 GiB";
+  }
+  // Every rank learns every rank's splits (a rank with invalid ones sends -1s):
+  // then every rank knows alike whether the call can go on, and on failure
+  // they exchange their reasons for one common message.
+  if (!why.empty()) std::fill(send.begin(), send.end(), int64_t(-1));
+  std::vector<int64_t> table(size_t(size) * size, 0);   // row j: rank j's splits
+  MATEX_COLL(MPI_Allgather(send.data(), size, MPI_INT64_T, table.data(), size, MPI_INT64_T,
+                           comm),
+             "MPI_Allgather (alltoall splits)");
+  bool failed = false;
+  for (int r = 0; r < size && !failed; ++r) {
+    int64_t received = 0;
+    for (int j = 0; j < size; ++j) {
+      const int64_t v = table[size_t(j) * size + r];
+      if (v < 0) failed = true;
+      received += v;
+    }
+    if (received > INT_MAX) failed = true;
+  }
+  recv_splits->assign(size_t(size), 0);
+  int64_t total = 0;
+  for (int j = 0; j < size; ++j) {
+    (*recv_splits)[size_t(j)] = std::max<int64_t>(table[size_t(j) * size + rank], 0);
+    total += (*recv_splits)[size_t(j)];
+  }
+  if (failed) {
+    if (why.empty() && total > INT_MAX) why = "more than 2^31 rows to receive";
+    const int kLen = 160;
+    std::vector<char> mine(kLen, 0), all(size_t(kLen) * size, 0);
+    std::strncpy(mine.data(), why.c_str(), kLen - 1);
+    MATEX_COLL(MPI_Allgather(mine.data(), kLen, MPI_CHAR, all.data(), kLen, MPI_CHAR, comm),
+               "MPI_Allgather (alltoall splits report)");
+    std::ostringstream msg;
+    msg << "invalid splits on";
+    bool first = true;
+    for (int r = 0; r < size; ++r) {
+      const char* text = all.data() + size_t(r) * kLen;
+      if (!*text) continue;
+      msg << (first ? " " : "; ") << "rank " << r << ": " << text;
+      first = false;
+    }
+    return Status::Invalid(msg.str());
+  }
+  void* out = allocate(total);
+  if (out == nullptr) return Status::Invalid("alltoall: output allocation failed");
+  if (row_bytes == 0) return Status::Ok();
+  std::vector<int> scounts(size), sdispls(size), rcounts(size), rdispls(size);
+  int64_t soff = 0, roff = 0;
+  for (int r = 0; r < size; ++r) {
+    scounts[r] = int(send[size_t(r)]);
+    sdispls[r] = int(soff);
+    soff += send[size_t(r)];
+    rcounts[r] = int((*recv_splits)[size_t(r)]);
+    rdispls[r] = int(roff);
+    roff += (*recv_splits)[size_t(r)];
+  }
+  RowType row;
+  s = row.Make(row_bytes);
+  if (!s.ok()) return s;
+  MATEX_COLL(MPI_Alltoallv(in.data, scounts.data(), sdispls.data(), row.get(), out,
+                           rcounts.data(), rdispls.data(), row.get(), comm),
+             "MPI_Alltoallv");
+  return Status::Ok();
+  }());
+}
+
+Status Reducescatter(const TensorRef& in, DataType dtype, ReduceOp op,
+                     const std::function<void*(int64_t rows)>& allocate, int slot) {
+  MPI_Comm comm;
+  Status s = CurrentComm(&comm, slot);
+  if (!s.ok()) return s;
+  std::lock_guard<std::mutex> serial(CollectiveMutex(slot));
+  Agreement check(comm, Kind::kReducescatter, dtype, int64_t(op), {&in.shape});
+  return check.Done([&] {
+  Status s = check.Agree();   // then every rank has the same shape
+  if (!s.ok()) return s;
+  if (in.shape.empty()) {
+    return Status::Invalid("reducescatter needs a tensor of rank >= 1 (got a scalar)");
+  }
+  int size = 0, rank = 0;
+  MATEX_MPI(MPI_Comm_size(comm, &size), "MPI_Comm_size");
+  MATEX_MPI(MPI_Comm_rank(comm, &rank), "MPI_Comm_rank");
+  if (in.num_elements() > INT_MAX) {
+    return Status::Invalid("reducescatter: more than 2^31 elements");
+  }
+  const int64_t rows = in.shape[0], row_elems = RowElements(in.shape);
+  std::vector<int> counts(size);
+  for (int r = 0; r < size; ++r) {
+    counts[r] = int((rows / size + (r < rows % size ? 1 : 0)) * row_elems);
+  }
+  const int64_t my_rows = rows / size + (rank < rows % size ? 1 : 0);
+  void* out = allocate(my_rows);
+  if (out == nullptr) return Status::Invalid("reducescatter: output allocation failed");
+  if (in.num_elements() == 0) return Status::Ok();
+  MATEX_COLL(MPI_Reduce_scatter(in.data, out, counts.data(), MpiType(dtype), MpiOp(dtype, op),
+                                comm),
+             "MPI_Reduce_scatter");
+  if (op == ReduceOp::kAverage) Average(out, int64_t(counts[rank]), dtype, size);
   return Status::Ok();
   }());
 }

@@ -27,6 +27,7 @@ namespace internal {
 enum class Kind : int64_t {
   kAllreduce = 1, kFused = 2, kBroadcast = 3, kAllgather = 4,
   kSend = 5, kRecv = 6, kSendRecv = 7, kSparseAllreduce = 8, kIallreduce = 9,
+  kAlltoall = 10, kReducescatter = 11,
 };
 
 using Shapes = std::vector<const std::vector<int64_t>*>;

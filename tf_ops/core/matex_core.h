@@ -25,9 +25,14 @@ enum class DataType : int {
   kFloat64 = 3,
   kInt32 = 4,
   kInt64 = 5,
+  kUInt8 = 6,
+  kInt8 = 7,
+  kUInt16 = 8,
+  kInt16 = 9,
+  kBool = 10,   // one byte, 0 or 1; reduced as uint8 (min: and, max: or, product: and)
 };
 
-enum class ReduceOp : int { kSum = 0, kAverage = 1, kMin = 2, kMax = 3 };
+enum class ReduceOp : int { kSum = 0, kAverage = 1, kMin = 2, kMax = 3, kProduct = 4 };
 
 // Outcome of a core call. `mpi_error_class` is the MPI error class (as from
 // MPI_Error_class) when an MPI call failed, 0 when the failure is not an MPI
@@ -109,6 +114,24 @@ Status Broadcast(void* data, const std::vector<int64_t>& shape, DataType dtype,
 Status Allgather(const TensorRef& in, DataType dtype,
                  const std::function<void*(int64_t total_rows)>& allocate,
                  std::vector<int64_t>* first_dims, int slot = 0);
+
+// Rank i sends rows [off_j, off_j + splits[j]) of `in` (axis 0) to rank j, and
+// receives the concatenation, in rank order, of the rows every rank sends it.
+// `splits` empty: an equal split (the first dimension must divide by the
+// number of ranks). A rank's invalid splits (wrong count, negative, not
+// summing to its first dimension) fail the call on every rank, with the same
+// message. `allocate(total_rows)` returns the output buffer; `recv_splits`
+// receives the rows got from each rank.
+Status Alltoall(const TensorRef& in, const std::vector<int64_t>& splits, DataType dtype,
+                const std::function<void*(int64_t total_rows)>& allocate,
+                std::vector<int64_t>* recv_splits, int slot = 0);
+
+// Reduce `in` (same shape on every rank) over the ranks, then scatter axis 0:
+// rank r gets rows [RowOffset(r), RowOffset(r) + rows(r)), where the first
+// `n % size` ranks get `n / size + 1` rows and the others `n / size`.
+// `allocate(rows)` returns the output buffer for this rank's rows.
+Status Reducescatter(const TensorRef& in, DataType dtype, ReduceOp op,
+                     const std::function<void*(int64_t rows)>& allocate, int slot = 0);
 
 // Number of MPI collective calls the core issued (data and agreement calls
 // alike) since the library was loaded. For tests and benchmarks.

@@ -49,6 +49,7 @@ AddFn Adder(DataType dtype) {
     case DataType::kFloat64: return &AddRow<double>;
     case DataType::kInt32: return &AddRow<int32_t>;
     case DataType::kInt64: return &AddRow<int64_t>;
+    default: break;   // the sparse op takes the types above only
   }
   return nullptr;
 }

@@ -53,6 +53,11 @@ inline absl::Status CoreType(tensorflow::DataType dt, matex::DataType* out) {
     case tensorflow::DT_DOUBLE: *out = matex::DataType::kFloat64; break;
     case tensorflow::DT_INT32: *out = matex::DataType::kInt32; break;
     case tensorflow::DT_INT64: *out = matex::DataType::kInt64; break;
+    case tensorflow::DT_UINT8: *out = matex::DataType::kUInt8; break;
+    case tensorflow::DT_INT8: *out = matex::DataType::kInt8; break;
+    case tensorflow::DT_UINT16: *out = matex::DataType::kUInt16; break;
+    case tensorflow::DT_INT16: *out = matex::DataType::kInt16; break;
+    case tensorflow::DT_BOOL: *out = matex::DataType::kBool; break;
     default:
       return absl::InvalidArgumentError("MaTEx collectives do not support " +
                                         tensorflow::DataTypeString(dt));
@@ -66,6 +71,7 @@ inline absl::Status ParseReduceOp(OpKernelConstruction* c, matex::ReduceOp* op) 
   if (name == "sum") *op = matex::ReduceOp::kSum;
   else if (name == "average") *op = matex::ReduceOp::kAverage;
   else if (name == "min") *op = matex::ReduceOp::kMin;
+  else if (name == "product") *op = matex::ReduceOp::kProduct;
   else *op = matex::ReduceOp::kMax;
   return absl::OkStatus();
 }

@@ -129,6 +129,93 @@ class AllgatherOp : public OpKernel {
   int comm_ = 0;
 };
 
+// An output buffer for the core to fill: TensorFlow leaves an empty tensor
+// without one, and the core takes null for a failed allocation.
+inline void* OutputData(const Tensor& t) {
+  static char empty;
+  void* p = const_cast<char*>(t.tensor_data().data());
+  return p != nullptr ? p : &empty;
+}
+
+// Splits the caller got wrong (on any rank) are an invalid argument, like a
+// mismatch; other failures keep ToTf's mapping.
+inline absl::Status InvalidIsArgument(const matex::Status& s, const char* op) {
+  if (s.kind == matex::Status::Kind::kInvalid) {
+    return absl::InvalidArgumentError(std::string(op) + ": " + s.message);
+  }
+  return ToTf(s, op);
+}
+
+class AlltoallOp : public OpKernel {
+ public:
+  explicit AlltoallOp(OpKernelConstruction* c) : OpKernel(c) {
+    OP_REQUIRES_OK(c, c->GetAttr("comm", &comm_));
+  }
+  void Compute(OpKernelContext* ctx) override {
+    SiteScope site(*this);
+    const Tensor& in = ctx->input(0);
+    const Tensor& splits_in = ctx->input(1);
+    matex::DataType dtype;
+    OP_REQUIRES_OK(ctx, CoreType(in.dtype(), &dtype));
+    OP_REQUIRES(ctx, splits_in.dims() == 1,
+                absl::InvalidArgumentError("matex alltoall: splits must be a vector"));
+    const auto flat = splits_in.flat<int64_t>();
+    std::vector<int64_t> splits(flat.data(), flat.data() + flat.size());
+    absl::Status alloc_status;
+    auto allocate = [&](int64_t rows) -> void* {
+      TensorShape shape = in.shape();
+      shape.set_dim(0, rows);
+      Tensor* out = nullptr;
+      alloc_status = ctx->allocate_output(0, shape, &out);
+      if (!alloc_status.ok()) return nullptr;
+      HugePagesFor(*out);
+      return OutputData(*out);
+    };
+    std::vector<int64_t> received;
+    matex::Status s = matex::Alltoall(Ref(in), splits, dtype, allocate, &received, comm_);
+    OP_REQUIRES_OK(ctx, alloc_status);
+    OP_REQUIRES_OK(ctx, InvalidIsArgument(s, "matex alltoall"));
+    Tensor* t = nullptr;
+    OP_REQUIRES_OK(ctx, ctx->allocate_output(
+                            1, TensorShape({int64_t(received.size())}), &t));
+    auto r = t->flat<int32_t>();
+    for (size_t i = 0; i < received.size(); ++i) r(i) = int32_t(received[i]);
+  }
+
+ private:
+  int comm_ = 0;
+};
+
+class ReducescatterOp : public OpKernel {
+ public:
+  explicit ReducescatterOp(OpKernelConstruction* c) : OpKernel(c) {
+    OP_REQUIRES_OK(c, ParseReduceOp(c, &op_));
+    OP_REQUIRES_OK(c, c->GetAttr("comm", &comm_));
+  }
+  void Compute(OpKernelContext* ctx) override {
+    SiteScope site(*this);
+    const Tensor& in = ctx->input(0);
+    matex::DataType dtype;
+    OP_REQUIRES_OK(ctx, CoreType(in.dtype(), &dtype));
+    absl::Status alloc_status;
+    auto allocate = [&](int64_t rows) -> void* {
+      TensorShape shape = in.shape();
+      shape.set_dim(0, rows);
+      Tensor* out = nullptr;
+      alloc_status = ctx->allocate_output(0, shape, &out);
+      if (!alloc_status.ok()) return nullptr;
+      return OutputData(*out);
+    };
+    matex::Status s = matex::Reducescatter(Ref(in), dtype, op_, allocate, comm_);
+    OP_REQUIRES_OK(ctx, alloc_status);
+    OP_REQUIRES_OK(ctx, InvalidIsArgument(s, "matex reducescatter"));
+  }
+
+ private:
+  matex::ReduceOp op_;
+  int comm_ = 0;
+};
+
 class CommInfoOp : public OpKernel {
  public:
   explicit CommInfoOp(OpKernelConstruction* c) : OpKernel(c) {
@@ -153,6 +240,8 @@ REGISTER_KERNEL_BUILDER(Name("MatexAllreduce").Device(DEVICE_CPU), AllreduceOp);
 REGISTER_KERNEL_BUILDER(Name("MatexGroupedAllreduce").Device(DEVICE_CPU), GroupedAllreduceOp);
 REGISTER_KERNEL_BUILDER(Name("MatexBroadcast").Device(DEVICE_CPU), BroadcastOp);
 REGISTER_KERNEL_BUILDER(Name("MatexAllgather").Device(DEVICE_CPU), AllgatherOp);
+REGISTER_KERNEL_BUILDER(Name("MatexAlltoall").Device(DEVICE_CPU), AlltoallOp);
+REGISTER_KERNEL_BUILDER(Name("MatexReducescatter").Device(DEVICE_CPU), ReducescatterOp);
 REGISTER_KERNEL_BUILDER(Name("MatexCommInfo").Device(DEVICE_CPU), CommInfoOp);
 
 }  // namespace

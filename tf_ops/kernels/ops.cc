@@ -10,7 +10,9 @@
 using tensorflow::shape_inference::InferenceContext;
 using tensorflow::shape_inference::ShapeHandle;
 
-#define MATEX_DTYPES "T: {half, bfloat16, float, double, int32, int64}"
+#define MATEX_DTYPES \
+  "T: {half, bfloat16, float, double, int32, int64, uint8, int8, uint16, int16, bool}"
+#define MATEX_REDUCE_OPS "reduce_op: {'sum', 'average', 'min', 'max', 'product'}"
 // The communicator slot (matex_core.h): 0 is the data communicator.
 #define MATEX_COMM "comm: int = 0"
 
@@ -18,7 +20,7 @@ REGISTER_OP("MatexAllreduce")
     .Input("tensor: T")
     .Output("output: T")
     .Attr(MATEX_DTYPES)
-    .Attr("reduce_op: {'sum', 'average', 'min', 'max'}")
+    .Attr(MATEX_REDUCE_OPS)
     .Attr(MATEX_COMM)
     .SetIsStateful()
     .SetShapeFn(tensorflow::shape_inference::UnchangedShape)
@@ -29,7 +31,7 @@ REGISTER_OP("MatexGroupedAllreduce")
     .Output("outputs: N * T")
     .Attr("N: int >= 1")
     .Attr(MATEX_DTYPES)
-    .Attr("reduce_op: {'sum', 'average', 'min', 'max'}")
+    .Attr(MATEX_REDUCE_OPS)
     .Attr(MATEX_COMM)
     .SetIsStateful()
     .SetShapeFn([](InferenceContext* c) {
@@ -64,6 +66,47 @@ REGISTER_OP("MatexAllgather")
       return absl::OkStatus();
     })
     .Doc("Concatenates every rank's `tensor` along axis 0, in rank order.");
+
+REGISTER_OP("MatexAlltoall")
+    .Input("tensor: T")
+    .Input("splits: int64")
+    .Output("output: T")
+    .Output("received_splits: int32")
+    .Attr(MATEX_DTYPES)
+    .Attr(MATEX_COMM)
+    .SetIsStateful()
+    .SetShapeFn([](InferenceContext* c) {
+      ShapeHandle in, rest, out, splits;
+      TF_RETURN_IF_ERROR(c->WithRankAtLeast(c->input(0), 1, &in));
+      TF_RETURN_IF_ERROR(c->WithRank(c->input(1), 1, &splits));
+      TF_RETURN_IF_ERROR(c->Subshape(in, 1, &rest));
+      TF_RETURN_IF_ERROR(
+          c->Concatenate(c->Vector(InferenceContext::kUnknownDim), rest, &out));
+      c->set_output(0, out);
+      c->set_output(1, c->Vector(InferenceContext::kUnknownDim));
+      return absl::OkStatus();
+    })
+    .Doc("Sends rows `splits[j]` of `tensor` (axis 0) to rank j (an empty `splits`: "
+         "equal parts) and returns the rows received, in rank order, with their counts.");
+
+REGISTER_OP("MatexReducescatter")
+    .Input("tensor: T")
+    .Output("output: T")
+    .Attr(MATEX_DTYPES)
+    .Attr(MATEX_REDUCE_OPS)
+    .Attr(MATEX_COMM)
+    .SetIsStateful()
+    .SetShapeFn([](InferenceContext* c) {
+      ShapeHandle in, rest, out;
+      TF_RETURN_IF_ERROR(c->WithRankAtLeast(c->input(0), 1, &in));
+      TF_RETURN_IF_ERROR(c->Subshape(in, 1, &rest));
+      TF_RETURN_IF_ERROR(
+          c->Concatenate(c->Vector(InferenceContext::kUnknownDim), rest, &out));
+      c->set_output(0, out);
+      return absl::OkStatus();
+    })
+    .Doc("Reduces `tensor` over all ranks and returns this rank's part of axis 0 "
+         "(the first n % size ranks get one row more).");
 
 REGISTER_OP("MatexCommInfo")
     .Output("rank: int32")

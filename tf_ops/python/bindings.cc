@@ -33,9 +33,10 @@ void Raise(const matex::Status& s) {
 }
 
 matex::DataType ParseDtype(const std::string& name) {
-  static const char* names[] = {"float16", "bfloat16", "float32",
-                                "float64", "int32", "int64"};
-  for (int i = 0; i < 6; ++i) {
+  static const char* names[] = {"float16", "bfloat16", "float32", "float64",
+                                "int32",   "int64",    "uint8",   "int8",
+                                "uint16",  "int16",    "bool"};
+  for (int i = 0; i < 11; ++i) {
     if (name == names[i]) return static_cast<matex::DataType>(i);
   }
   throw py::type_error("MaTEx collectives do not support dtype " + name);
@@ -46,8 +47,9 @@ matex::ReduceOp ParseOp(const std::string& name) {
   if (name == "average") return matex::ReduceOp::kAverage;
   if (name == "min") return matex::ReduceOp::kMin;
   if (name == "max") return matex::ReduceOp::kMax;
+  if (name == "product") return matex::ReduceOp::kProduct;
   throw py::value_error("unknown reduce op '" + name +
-                        "' (expected sum, average, min or max)");
+                        "' (expected sum, average, min, max or product)");
 }
 
 matex::TensorRef Ref(const py::array& a) {
