@@ -17,4 +17,4 @@ Horovod is listed in docs/horovod.md.
 
 from matex._version import __version__ as __version__
 
-__all__ = ["__version__"]
+__all__: list[str] = []   # the API is in matex.horovod.tensorflow and .keras

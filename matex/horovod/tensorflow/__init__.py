@@ -4,6 +4,9 @@ Horovod's names with Horovod's semantics (see ``matex.horovod``). The
 collectives MaTEx added for Horovod (alltoall, reducescatter, barrier, the
 object collectives, grouped allgather/reducescatter) are here when the
 installed MaTEx has them.
+
+Reduce ops (Horovod's integers): ``Average``, ``Sum``, ``Adasum``, ``Min``,
+``Max``, ``Product``. ``util`` is ``horovod.tensorflow.util``.
 """
 
 from matex.horovod import _api
@@ -29,6 +32,7 @@ __all__ = [
     "allreduce", "grouped_allreduce", "allgather", "broadcast", "broadcast_",
     "broadcast_variables", "broadcast_global_variables", "Compression",
     "DistributedOptimizer", "DistributedGradientTape", "util",
-] + _api.OPTIONAL
-
+]
+# the collectives MaTEx added for Horovod, where this MaTEx has them
+__all__ += _api.OPTIONAL
 globals().update({_n: getattr(_api, _n) for _n in _api.OPTIONAL})

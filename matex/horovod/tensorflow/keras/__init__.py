@@ -2,7 +2,8 @@
 
 Horovod's Keras API on Keras 3: the process functions, ``DistributedOptimizer``,
 ``allreduce``/``allgather``/``broadcast`` of values, ``load_model`` and
-``callbacks`` (see ``matex.horovod``).
+``callbacks`` (see ``matex.horovod``). Reduce ops: ``Average``, ``Sum``,
+``Adasum``, ``Min``, ``Max``, ``Product``.
 """
 
 from __future__ import annotations
