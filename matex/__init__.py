@@ -61,6 +61,8 @@ __all__ = [
     "DistributedOptimizer", "DistributedGradientTape", "mpi_error_class", "shard", "is_sharded",
     "on_rank_loss", "run_resilient", "errors",
     "sparse_allreduce", "stats", "LocalSGD", "DiLoCo", "flush",
+    "grouped_allreduce", "barrier", "grouped_allgather", "grouped_reducescatter",
+    "broadcast_object", "broadcast_object_fn", "allgather_object",
     "alltoall", "reducescatter",
 ]
 
@@ -81,6 +83,13 @@ _LAZY = {
     "LocalSGD": "matex.localsgd",              # fewer synchronisations (#14)
     "DiLoCo": "matex.localsgd",
     "flush": "matex._delayed",                 # apply delay=1's last gradient (#14)
+    "grouped_allreduce": "matex._collectives",  # Horovod's API (#25)
+    "barrier": "matex._collectives",
+    "grouped_allgather": "matex._grouped",
+    "grouped_reducescatter": "matex._grouped",
+    "broadcast_object": "matex._objects",
+    "broadcast_object_fn": "matex._objects",
+    "allgather_object": "matex._objects",
     "alltoall": "matex._collectives",          # Horovod's API (#25)
     "reducescatter": "matex._collectives",
 }
@@ -91,7 +100,10 @@ from typing import TYPE_CHECKING  # noqa: E402
 if TYPE_CHECKING:   # type checkers and IDEs see the lazy names' own signatures
     from matex._batch_slicing import is_sharded, shard
     from matex._collectives import allgather, allreduce, broadcast, broadcast_variables
+    from matex._collectives import barrier, grouped_allreduce
     from matex._collectives import alltoall, reducescatter
+    from matex._grouped import grouped_allgather, grouped_reducescatter
+    from matex._objects import allgather_object, broadcast_object, broadcast_object_fn
     from matex._delayed import flush
     from matex._optimizer import DistributedOptimizer
     from matex._recovery import run_resilient

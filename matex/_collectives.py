@@ -88,7 +88,8 @@ def _check_bool(tensor, op, what):
 
 @_run_as_is
 def allreduce(tensor: tf.Tensor, op: str = "average", name: str | None = None,
-              comm: int = 0) -> tf.Tensor:
+              comm: int = 0, prescale_factor: float = 1.0,
+              postscale_factor: float = 1.0) -> tf.Tensor:
     """Reduce ``tensor`` over all ranks; every rank gets the result.
 
     Args:
@@ -100,6 +101,11 @@ def allreduce(tensor: tf.Tensor, op: str = "average", name: str | None = None,
         bool tensors take min (and), max (or) and product (and) only.
       comm: the communicator slot (``matex._runtime.register_comm``); 0, the
         default, is the data communicator ``matex.comm()``.
+      prescale_factor, postscale_factor: multiply each rank's tensor before,
+        and the result after, the reduction (Horovod's factors). Integer
+        tensors are scaled in float64 and truncated toward zero, float16 and
+        bfloat16 ones in float32; an integer "average" with a postscale factor
+        scales the sum by ``postscale_factor / size`` once, as Horovod does.
     Returns:
       A tensor of the same shape and dtype.
     Raises:
@@ -110,18 +116,89 @@ def allreduce(tensor: tf.Tensor, op: str = "average", name: str | None = None,
     _check_op(op)
     tensor = _as_tensor(tensor, "allreduce")
     _check_bool(tensor, op, "allreduce")
+    if prescale_factor != 1.0 or postscale_factor != 1.0:
+        return _scaled_reduce(
+            lambda ts, kind: [_issue(_ops().matex_allreduce, ts[0], reduce_op=kind,
+                                     comm=int(comm), name=name)],
+            [tensor], op, prescale_factor, postscale_factor, comm)[0]
     return _issue(_ops().matex_allreduce, tensor, reduce_op=op, comm=int(comm), name=name)
 
 
 @_run_as_is
-def grouped_allreduce(tensors, op="average", name=None, comm=0):
-    """Reduce several tensors of one dtype with one fused MPI call."""
+def grouped_allreduce(tensors: Sequence[tf.Tensor], op: str = "average", name: str | None = None,
+                      comm: int = 0, prescale_factor: float = 1.0,
+                      postscale_factor: float = 1.0) -> list[tf.Tensor]:
+    """Reduce several tensors of one dtype with one fused MPI call.
+
+    As ``allreduce`` for each tensor (same ``op``, ``comm`` and scale factors),
+    but the tensors travel together in one message.
+    """
     _check_op(op)
     tensors = [_as_tensor(t, "grouped_allreduce") for t in tensors]
     if tensors:
         _check_bool(tensors[0], op, "grouped_allreduce")
+    if prescale_factor != 1.0 or postscale_factor != 1.0:
+        return _scaled_reduce(
+            lambda ts, kind: _issue(_ops().matex_grouped_allreduce, ts, reduce_op=kind,
+                                    comm=int(comm), name=name),
+            tensors, op, prescale_factor, postscale_factor, comm)
     return _issue(_ops().matex_grouped_allreduce, tensors, reduce_op=op, comm=int(comm),
                   name=name)
+
+
+def _scale(tensor, factor):
+    """``tensor * factor`` by Horovod's rule (``factor``: a number or a float64 scalar tensor).
+
+    Integers are scaled in float64 and truncated toward zero (C's conversion),
+    float16 and bfloat16 in float32, float32 and float64 in their own type.
+    """
+    dtype = tensor.dtype
+    if dtype.is_integer:
+        compute = tf.float64
+    elif dtype in (tf.float16, tf.bfloat16):
+        compute = tf.float32
+    elif dtype.is_floating:
+        compute = dtype
+    else:
+        raise TypeError("prescale_factor/postscale_factor do not apply to dtype %s"
+                        % dtype.name)
+    factor = (tf.cast(factor, compute) if isinstance(factor, tf.Tensor)
+              else tf.constant(factor, compute))   # a Python float, never via float32
+    scaled = tf.cast(tensor, compute) * factor
+    return scaled if compute == dtype else tf.cast(scaled, dtype)
+
+
+def _scaled_reduce(reduce, tensors, op, prescale, postscale, comm):
+    """``reduce(tensors, op)`` between ``prescale`` and ``postscale`` (Horovod's semantics).
+
+    An integer average with a postscale factor is a sum scaled once by
+    ``postscale / size`` (size when the op runs), so that it truncates once,
+    as Horovod's; otherwise the op itself averages.
+    """
+    if prescale != 1.0:
+        tensors = [_scale(t, prescale) for t in tensors]
+    integer_average = (op == "average" and postscale != 1.0
+                       and any(t.dtype.is_integer for t in tensors))
+    reduced = reduce(tensors, "sum" if integer_average else op)
+    if postscale == 1.0:
+        return list(reduced)
+    if integer_average:
+        _, size = comm_info(comm)
+        factor = tf.constant(postscale, tf.float64) / tf.cast(size, tf.float64)
+        return [_scale(r, factor) for r in reduced]
+    return [_scale(r, postscale) for r in reduced]
+
+
+@_run_as_is
+def barrier(comm: int = 0, name: str | None = None) -> tf.Tensor:
+    """Wait until every rank of communicator slot ``comm`` has reached this point.
+
+    A collective like the others (a sum of one int32 per rank), so inside
+    ``tf.function`` it runs in program order with them. Returns that sum: the
+    number of ranks that took part.
+    """
+    return _issue(_ops().matex_allreduce, tf.constant(1, tf.int32), reduce_op="sum",
+                  comm=int(comm), name=name)
 
 
 @_run_as_is
@@ -180,7 +257,8 @@ def alltoall(tensor: tf.Tensor, splits: tf.Tensor | Sequence[int] | None = None,
 
 @_run_as_is
 def reducescatter(tensor: tf.Tensor, op: str = "average", name: str | None = None,
-                  comm: int = 0) -> tf.Tensor:
+                  comm: int = 0, prescale_factor: float = 1.0,
+                  postscale_factor: float = 1.0) -> tf.Tensor:
     """Reduce ``tensor`` over all ranks and return this rank's part of axis 0.
 
     Rank r gets rows ``[r*q + min(r, m), ...)`` of the reduced tensor, ``q + 1``
@@ -192,6 +270,7 @@ def reducescatter(tensor: tf.Tensor, op: str = "average", name: str | None = Non
       op: "sum", "average" (integers truncate), "min", "max" or "product";
         bool tensors take min, max and product.
       comm: the communicator slot.
+      prescale_factor, postscale_factor: as in ``allreduce`` (Horovod's factors).
     Returns:
       A tensor with this rank's rows. The gradient of "sum" is the allgather
       of the output gradients (every rank's loss counted), divided by the
@@ -203,6 +282,11 @@ def reducescatter(tensor: tf.Tensor, op: str = "average", name: str | None = Non
     _check_op(op)
     tensor = _as_tensor(tensor, "reducescatter")
     _check_bool(tensor, op, "reducescatter")
+    if prescale_factor != 1.0 or postscale_factor != 1.0:
+        return _scaled_reduce(
+            lambda ts, kind: [_issue(_ops().matex_reducescatter, ts[0], reduce_op=kind,
+                                     comm=int(comm), name=name)],
+            [tensor], op, prescale_factor, postscale_factor, comm)[0]
     return _issue(_ops().matex_reducescatter, tensor, reduce_op=op, comm=int(comm), name=name)
 
 

@@ -712,3 +712,295 @@ def test_slot_collectives_run_on_their_sub_communicator_beside_the_data_one():
         sub.Free()
     with pytest.raises(tf.errors.InternalError, match="no communicator in slot %d" % slot):
         _collectives.allreduce(tf.constant(1.0), comm=slot)
+
+
+# ---- Horovod's API (#25): scale factors, barrier, grouped ops, objects ---------
+
+PRE, POST = 0.3, 1.7
+
+
+def scaled(values, factor, dtype):
+    """``values * factor`` as the scale factors promise: integers in float64 then
+    truncated toward zero; float16/bfloat16 rounded to float32 then to the dtype."""
+    if dtype.is_integer:
+        return np.trunc(values * factor)
+    if dtype in (tf.float16, tf.bfloat16):
+        out = (values.astype(np.float32) * np.float32(factor)).astype(np_dtype(dtype))
+        return out.astype(np.float64)
+    return values * factor
+
+
+def expected_scaled_reduce(op, shape, dtype, r_values=rank_values):
+    parts = [scaled(r_values(r, shape, dtype), PRE, dtype) for r in range(N)]
+    total = np.sum(parts, 0)
+    if op == "sum":
+        return scaled(total, POST, dtype)
+    if dtype.is_integer:   # Horovod: the sum scaled once by post / size, truncated once
+        return np.trunc(total * (POST / N))
+    return scaled(total / N, POST, dtype)
+
+
+def scale_tolerance(dtype):
+    return {tf.float16: 4e-3, tf.bfloat16: 3e-2, tf.float32: 1e-6}.get(dtype, 1e-12)
+
+
+def assert_scaled(got, want, dtype):
+    assert got.dtype == dtype and got.shape == want.shape
+    if dtype.is_integer:
+        np.testing.assert_array_equal(got.numpy(), want, err_msg=dtype.name)
+    else:
+        np.testing.assert_allclose(got.numpy().astype(np.float64), want, err_msg=dtype.name,
+                                   rtol=scale_tolerance(dtype), atol=scale_tolerance(dtype))
+
+
+SCALED = DTYPES + [tf.uint8, tf.int8, tf.uint16, tf.int16]
+
+
+def scale_values(r, shape, dtype):
+    values = rank_values(r, shape, dtype)
+    return np.abs(values) if dtype.is_unsigned else values
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("op", ["sum", "average"])
+def test_allreduce_prescale_and_postscale(op, mode):
+    """Every dtype (one traced function for all)."""
+    shape = (3, 5)
+    xs = [tf.constant(scale_values(R, shape, d).astype(np_dtype(d))) for d in SCALED]
+    got = run(mode, lambda *ts: [matex.allreduce(t, op=op, prescale_factor=PRE,
+                                                 postscale_factor=POST) for t in ts], *xs)
+    for g, dtype in zip(got, SCALED):
+        assert_scaled(g, expected_scaled_reduce(op, shape, dtype, scale_values), dtype)
+    with pytest.raises(TypeError, match="bool"):
+        matex.allreduce(tf.constant([True]), op="max", prescale_factor=PRE)
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_grouped_allreduce_prescale_and_postscale(mode):
+    """One group per dtype (a group has one dtype), all in one traced function."""
+    shapes = [(4,), (2, 3)]
+    xs = [tf.constant(rank_values(R + 7 * i, s, d).astype(np_dtype(d)))
+          for d in DTYPES for i, s in enumerate(shapes)]
+
+    def groups(*ts):
+        return [matex.grouped_allreduce(list(ts[2 * k:2 * k + 2]), op="average",
+                                        prescale_factor=PRE, postscale_factor=POST)
+                for k in range(len(DTYPES))]
+
+    for dtype, got in zip(DTYPES, run(mode, groups, *xs)):
+        for i, (g, s) in enumerate(zip(got, shapes)):
+            want = expected_scaled_reduce(
+                "average", s, dtype, lambda r, shape, d, i=i: rank_values(r + 7 * i, shape, d))
+            assert_scaled(g, want, dtype)
+
+
+def test_scale_factors_carry_into_the_gradient():
+    x = tf.Variable(np.arange(4, dtype=np.float32) + R)
+    with tf.GradientTape() as tape:
+        y = tf.reduce_sum(matex.allreduce(x, "sum", prescale_factor=0.5, postscale_factor=3.0)
+                          * (R + 1.0))
+    total = sum(r + 1.0 for r in range(N))
+    np.testing.assert_allclose(tape.gradient(y, x).numpy(), np.full(4, 1.5 * total))
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_barrier_waits_for_the_last_rank(mode):
+    """No rank leaves the barrier before the slowest (rank 0, 0.6 s late) enters it,
+    also inside tf.function when its result is unused."""
+    @tf.function
+    def in_function():
+        matex.barrier()
+        return tf.constant(0)
+
+    assert int(matex.barrier()) == N
+    if mode == "function":
+        in_function()   # traced and run once before timing
+    matex.barrier()
+    started = time.monotonic()
+    if R == 0:
+        time.sleep(0.6)
+    if mode == "function":
+        in_function()
+    else:
+        assert int(matex.barrier()) == N
+    waited = time.monotonic() - started
+    assert waited >= 0.5, waited
+    if mode == "function":
+        kinds = [op.type for op in in_function.get_concrete_function().graph.get_operations()]
+        assert kinds.count("MatexAllreduce") == 1
+
+
+def gather_values(r, i, dtype):
+    """Rank r's tensor i of the grouped allgather: r + i + 1 rows, uneven over ranks."""
+    trailing = [(), (3,), (2, 2)][i % 3]
+    return rank_values(100 * i + r, (r + i + 1,) + trailing, dtype)
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_grouped_allgather(mode):
+    """Every dtype, interleaved in one group (one message per dtype)."""
+    dtypes = DTYPES + DTYPES[::-1]
+    xs = [tf.constant(gather_values(R, i, d).astype(np_dtype(d))) for i, d in enumerate(dtypes)]
+    got = run(mode, lambda *ts: matex.grouped_allgather(list(ts)), *xs)
+    assert len(got) == len(xs)
+    for i, (g, d) in enumerate(zip(got, dtypes)):
+        want = np.concatenate([gather_values(r, i, d) for r in range(N)])
+        assert g.dtype == d and g.shape == want.shape
+        np.testing.assert_array_equal(g.numpy().astype(np.float64), want)
+
+
+def test_grouped_ops_are_one_message_per_dtype():
+    f = tf.function(lambda a, b, c: matex.grouped_allgather([a, b, c]))
+    graph = f.get_concrete_function(tf.TensorSpec([None, 2], tf.float32),
+                                    tf.TensorSpec([None], tf.float32),
+                                    tf.TensorSpec([None], tf.int64)).graph
+    kinds = [op.type for op in graph.get_operations()]
+    assert kinds.count("MatexAllgather") == 3   # the shapes, the float32s, the int64s
+    assert matex.grouped_allgather([]) == []
+    f = tf.function(lambda a, b, c: matex.grouped_reducescatter([a, b, c]))
+    graph = f.get_concrete_function(tf.TensorSpec([None, 2], tf.float32),
+                                    tf.TensorSpec([None], tf.float32),
+                                    tf.TensorSpec([None], tf.int64)).graph
+    kinds = [op.type for op in graph.get_operations()]
+    assert kinds.count("MatexReducescatter") == 2 and "MatexAllreduce" not in kinds
+
+
+@pytest.mark.parametrize("what", ["count", "dtype", "trailing"])
+def test_grouped_allgather_disagreement_fails_on_every_rank(what):
+    a = tf.ones([R + 1, 2])
+    if what == "count":
+        group = [a] * (1 + (R == N - 1))
+    elif what == "dtype":
+        group = [a, tf.ones([2], tf.float32 if R == 0 else tf.float64)]
+    else:
+        group = [tf.ones([2, 2 + (R == 0)])]
+    with pytest.raises(tf.errors.InvalidArgumentError, match="grouped_allgather"):
+        matex.grouped_allgather(group)
+    # no rank was left inside a collective: the next one matches on every rank
+    assert float(matex.allreduce(tf.constant(1.0), "sum")) == N
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_grouped_allgather_gradient(mode):
+    """Each rank's rows of the output gradient, summed over ranks (as allgather's)."""
+    xs = [tf.Variable(gather_values(R, i, tf.float32).astype(np.float32)) for i in range(2)]
+
+    def weights(r, i):
+        total = sum(r2 + i + 1 for r2 in range(N))
+        shape = (total,) + xs[i].shape[1:]
+        return np.random.default_rng(50 * r + i).normal(size=shape).astype(np.float32)
+
+    def grads():
+        with tf.GradientTape() as tape:
+            out = matex.grouped_allgather(xs)
+            y = sum(tf.reduce_sum(o * weights(R, i)) for i, o in enumerate(out))
+        return tape.gradient(y, xs)
+
+    got = run(mode, grads)
+    for i, g in enumerate(got):
+        start = sum(r + i + 1 for r in range(R))
+        rows = slice(start, start + R + i + 1)
+        want = sum(weights(r, i)[rows] for r in range(N))
+        np.testing.assert_allclose(tf.convert_to_tensor(g).numpy(), want, rtol=1e-5, atol=1e-6)
+
+
+def own_rows(total, r, n):
+    q, m = divmod(total, n)
+    start = r * q + min(r, m)
+    return slice(start, start + q + (r < m))
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("op", ["sum", "average", "max"])
+def test_grouped_reducescatter(op, mode):
+    """Every dtype in one group; rows not divisible by the size: the first ranks
+    get one more (Horovod's split)."""
+    shapes = [(5, 2), (N + 1,), (2 * N, 1, 2)]
+    cases = [(d, i, s) for i, s in enumerate(shapes) for d in DTYPES]
+    xs = [tf.constant(rank_values(R + 9 * i, s, d).astype(np_dtype(d))) for d, i, s in cases]
+    got = run(mode, lambda *ts: matex.grouped_reducescatter(list(ts), op=op), *xs)
+    for g, (dtype, i, s) in zip(got, cases):
+        stack = np.stack([rank_values(r + 9 * i, s, dtype) for r in range(N)])
+        full = {"sum": stack.sum(0), "max": stack.max(0),
+                "average": np.trunc(stack.sum(0) / N) if dtype.is_integer else stack.sum(0) / N}[op]
+        want = full[own_rows(s[0], R, N)]
+        assert g.dtype == dtype and g.shape == want.shape
+        np.testing.assert_allclose(g.numpy().astype(np.float64), want, rtol=tolerance(dtype))
+
+
+def test_grouped_reducescatter_scale_factors_and_gradient():
+    x = tf.Variable(np.arange(10, dtype=np.float32).reshape(5, 2) + R)
+    weight = np.float32(R + 1)
+    with tf.GradientTape() as tape:
+        (out,) = matex.grouped_reducescatter([x], op="average", prescale_factor=2.0,
+                                             postscale_factor=0.5)
+        y = tf.reduce_sum(out * weight)
+    stack = np.stack([np.arange(10, dtype=np.float64).reshape(5, 2) + r for r in range(N)])
+    np.testing.assert_allclose(out.numpy(), (stack.mean(0))[own_rows(5, R, N)], rtol=1e-6)
+    # d y_r / d x: rank r's rows weighted (r + 1), averaged over ranks, scaled by 2 * 0.5
+    want = np.zeros((5, 2))
+    for r in range(N):
+        want[own_rows(5, r, N)] = (r + 1.0) / N
+    np.testing.assert_allclose(tape.gradient(y, x).numpy(), want, rtol=1e-6)
+
+
+# ---- objects --------------------------------------------------------------------
+
+class _FailsToLoadOnLastRank:
+    def __reduce__(self):
+        return (_load_unless_last_rank, ())
+
+
+def _load_unless_last_rank():
+    if matex.rank() == matex.size() - 1:
+        raise RuntimeError("cannot load here")
+    return "loaded"
+
+
+@pytest.mark.parametrize("root", ["first", "last"])
+def test_broadcast_object_and_fn(root):
+    root_rank = 0 if root == "first" else N - 1
+    mine = {"rank": R, "array": np.arange(R + 3), "nested": [("x", R)] * 2}
+    got = matex.broadcast_object(mine, root_rank=root_rank)
+    assert got["rank"] == root_rank and got["nested"] == [("x", root_rank)] * 2
+    np.testing.assert_array_equal(got["array"], np.arange(root_rank + 3))
+    assert (got is mine) == (R == root_rank)   # the root keeps its own object
+    bcast = matex.broadcast_object_fn(root_rank=root_rank)
+    assert bcast(("value of", R)) == ("value of", root_rank)
+    assert bcast(R * 10) == root_rank * 10
+
+
+def test_allgather_object():
+    got = matex.allgather_object({"rank": R, "rows": list(range(R))})
+    assert got == [{"rank": r, "rows": list(range(r))} for r in range(N)]
+    assert matex.allgather_object(None) == [None] * N
+
+
+def test_object_collectives_on_a_slot():
+    """On a slot whose communicator orders the ranks backwards, its rank 0 is the last rank."""
+    reverse = matex.comm().Split(0, N - R)
+    slot = _runtime.register_comm(reverse)
+    try:
+        assert matex.broadcast_object(R, root_rank=0, comm=slot) == N - 1
+        assert matex.allgather_object(R, comm=slot) == list(reversed(range(N)))
+        assert int(matex.barrier(comm=slot)) == N
+    finally:
+        _runtime.release_comm(slot)
+        reverse.Free()
+
+
+def test_object_errors_are_one_error_on_every_rank():
+    from matex._everywhere import RemoteError
+
+    root_rank = N - 1
+    unpicklable = (lambda: 0) if R == root_rank else None
+    with pytest.raises(RemoteError, match="rank %d: .*pickl" % root_rank):
+        matex.broadcast_object(unpicklable, root_rank=root_rank)
+    with pytest.raises(RemoteError, match="rank %d: RuntimeError: cannot load here" % (N - 1)):
+        matex.broadcast_object(_FailsToLoadOnLastRank(), root_rank=0)
+    with pytest.raises(RemoteError, match="rank 0: .*pickl"):
+        matex.allgather_object((lambda: 0) if R == 0 else R)
+    with pytest.raises(RemoteError, match="root_rank %d is not a rank" % N):
+        matex.broadcast_object(1, root_rank=N)
+    # everyone still in step
+    assert matex.allgather_object(R) == list(range(N))
