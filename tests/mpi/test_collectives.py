@@ -425,6 +425,30 @@ def test_reducescatter_every_dtype_and_op_uneven_rows(mode):
                            "%s %s" % (dtype.name, op))
 
 
+@pytest.mark.parametrize("mode", MODES)
+def test_reducescatter_pre_and_postscale(mode):
+    # Horovod's factors: integers scaled in float64 and truncated; an integer average
+    # with a postscale is the sum scaled once by post / size
+    rows = 2 * N + 1
+    q, m = divmod(rows, N)
+    lo = R * q + min(R, m)
+    hi = lo + q + (R < m)
+    xs = [tf.constant(rank_values(R, (rows, 2), d).astype(np_dtype(d)))
+          for d in (tf.float64, tf.int32)]
+
+    def scatter(f, i):
+        return [matex.reducescatter(t, op=op, prescale_factor=0.5, postscale_factor=3.0)
+                for t in (f, i) for op in ("sum", "average")]
+
+    fs, fa, i_s, ia = run(mode, scatter, *xs)
+    f_sum = sum(rank_values(r, (rows, 2), tf.float64) * 0.5 for r in range(N))[lo:hi]
+    np.testing.assert_allclose(fs.numpy(), f_sum * 3.0, rtol=1e-12)
+    np.testing.assert_allclose(fa.numpy(), f_sum / N * 3.0, rtol=1e-12)
+    i_sum = sum(np.trunc(rank_values(r, (rows, 2), tf.int32) * 0.5) for r in range(N))[lo:hi]
+    np.testing.assert_array_equal(i_s.numpy(), np.trunc(i_sum * 3.0))
+    np.testing.assert_array_equal(ia.numpy(), np.trunc(i_sum * (3.0 / N)))
+
+
 def test_reducescatter_fewer_rows_than_ranks():
     got = matex.reducescatter(tf.ones([1, 2]), op="sum")
     assert got.shape == ((1, 2) if R == 0 else (0, 2))
