@@ -112,7 +112,16 @@ def allreduce(tensor: tf.Tensor, op: str = "average", name: str | None = None,
       tf.errors.InvalidArgumentError on every rank if ranks disagree on shape,
       dtype or op; tf.errors.InternalError if MPI fails, carrying the MPI
       error class (``matex.mpi_error_class``).
+
+    ``op="adasum"`` (float tensors): the adaptive sum of Maleki et al.,
+    computed by vector halving over point-to-point transfers
+    (``matex._adasum``, which documents the order of combination).
     """
+    if op == "adasum":
+        from matex import _adasum
+
+        return _adasum.adasum(tensor, name=name, comm=comm, prescale_factor=prescale_factor,
+                              postscale_factor=postscale_factor)
     _check_op(op)
     tensor = _as_tensor(tensor, "allreduce")
     _check_bool(tensor, op, "allreduce")
@@ -132,7 +141,15 @@ def grouped_allreduce(tensors: Sequence[tf.Tensor], op: str = "average", name: s
 
     As ``allreduce`` for each tensor (same ``op``, ``comm`` and scale factors),
     but the tensors travel together in one message.
+
+    ``op="adasum"``: each tensor is one layer (its own dot products and norms).
     """
+    if op == "adasum":
+        from matex import _adasum
+
+        return _adasum.grouped_adasum(tensors, name=name, comm=comm,
+                                      prescale_factor=prescale_factor,
+                                      postscale_factor=postscale_factor)
     _check_op(op)
     tensors = [_as_tensor(t, "grouped_allreduce") for t in tensors]
     if tensors:

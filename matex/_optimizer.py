@@ -88,6 +88,9 @@ class _DistributedMixin:
                 grads = _weighted_average(grads, state.rows, state.threshold, names,
                                           trainable_variables, state.compression)
             else:
+                if state.op == "adasum":   # dense: Adasum combines whole vectors
+                    grads = [tf.convert_to_tensor(g) if isinstance(g, tf.IndexedSlices) else g
+                             for g in grads]
                 grads = _reduce.reduce_gradients(grads, trainable_variables, state.compression,
                                                  state.op, state.threshold, names)
         # all-or-nothing: after every reduced gradient, before any later collective
@@ -268,7 +271,9 @@ def DistributedOptimizer(optimizer: keras.optimizers.Optimizer | type | str,
       optimizer: an optimizer instance, an optimizer class, or a name such as
         ``"adam"``. An instance is converted in place (its state is kept) and
         returned.
-      op: how gradients are combined: "average" (default) or "sum".
+      op: how gradients are combined: "average" (default), "sum" or
+        "adasum" (adaptive summation, per variable: ``matex.allreduce``;
+        sparse gradients are made dense; no compression or delay).
       fusion_threshold: bucket size in bytes for fusing small gradients into
         one allreduce; default ``MATEX_FUSION_THRESHOLD`` or 16 MiB; 0 sends
         each gradient alone.
@@ -298,8 +303,12 @@ def DistributedOptimizer(optimizer: keras.optimizers.Optimizer | type | str,
     """
     import keras
 
-    if op not in (None, "average", "sum"):
-        raise ValueError("DistributedOptimizer op must be 'average' or 'sum', not %r" % op)
+    if op not in (None, "average", "sum", "adasum"):
+        raise ValueError("DistributedOptimizer op must be 'average', 'sum' or 'adasum', not %r"
+                         % op)
+    if op == "adasum" and (delay or compression not in (None, "none")):
+        raise ValueError("DistributedOptimizer: op='adasum' combines whole uncompressed "
+                         "gradients at once; use it without compression and delay")
     if isinstance(delay, bool) or delay not in (None, 0, 1):
         raise ValueError("DistributedOptimizer delay must be 0 (apply each step's averaged "
                          "gradient at once) or 1 (apply it one step later, its allreduce "
@@ -321,6 +330,9 @@ def DistributedOptimizer(optimizer: keras.optimizers.Optimizer | type | str,
         raise ValueError("DistributedOptimizer: delay=1 sends its gradients uncompressed, and "
                          "MATEX_COMPRESSION asks for %r; unset MATEX_COMPRESSION or use "
                          "delay=0" % (compressor,))
+    if op == "adasum" and compressor is not None:
+        raise ValueError("DistributedOptimizer: op='adasum' sends its gradients uncompressed, "
+                         "and MATEX_COMPRESSION asks for %r; unset it" % (compressor,))
     _patch_keras_trainer()
     optimizer.__class__ = _distributed_class(type(optimizer))
     object.__setattr__(optimizer, "_matex", _State(op or "average", fusion_threshold))

@@ -123,8 +123,9 @@ def test_pipeline_four_ranks(tmp_path):
     out = tmp_path / "saved"
     out.mkdir()
     env = dict(os.environ, MATEX_PIPELINE_SAVE_DIR=str(out))
-    assert mpitools.run_suite(4, ["test_pipeline_4ranks.py"], tmp_path / "reports",
-                              timeout=600, env=env) >= 6
+    # + op="adasum" on 4 ranks (its power-of-two tree), in the same launch
+    assert mpitools.run_suite(4, ["test_pipeline_4ranks.py", "test_adasum.py"],
+                              tmp_path / "reports", timeout=600, env=env) >= 26
     # trained on 4 ranks, loaded here in one process with plain Keras: same predictions
     whole = keras.models.load_model(out / "pipelined.keras")
     np.testing.assert_allclose(whole.predict(np.load(out / "x.npy"), verbose=0),
