@@ -449,6 +449,24 @@ def test_reducescatter_pre_and_postscale(mode):
     np.testing.assert_array_equal(ia.numpy(), np.trunc(i_sum * (3.0 / N)))
 
 
+@pytest.mark.parametrize("mode", MODES)
+def test_alltoall_and_reducescatter_on_a_slot(mode):
+    """On a slot ordering the ranks backwards, rank R is slot rank N-1-R for both ops."""
+    reverse = matex.comm().Split(0, N - R)
+    slot = _runtime.register_comm(reverse)
+    me = N - 1 - R
+    try:
+        x = tf.constant(np.arange(N, dtype=np.float32) + 10 * me)   # row j goes to slot rank j
+        out, received = run(mode, lambda t: matex.alltoall(t, [1] * N, comm=slot), x)
+        np.testing.assert_array_equal(out.numpy(), [10 * r + me for r in range(N)])
+        assert received.numpy().tolist() == [1] * N
+        got = run(mode, lambda t: matex.reducescatter(t, op="sum", comm=slot), x)
+        np.testing.assert_array_equal(got.numpy(), [N * me + 10 * sum(range(N))])
+    finally:
+        _runtime.release_comm(slot)
+        reverse.Free()
+
+
 def test_reducescatter_fewer_rows_than_ranks():
     got = matex.reducescatter(tf.ones([1, 2]), op="sum")
     assert got.shape == ((1, 2) if R == 0 else (0, 2))
