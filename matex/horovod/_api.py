@@ -211,13 +211,20 @@ def _averaged_gradient(tensor: tf.Tensor) -> tf.Tensor:
     MaTEx's broadcast and allgather gradients sum over ranks, Horovod's
     average: the compat layer puts this in front of them.
     """
+    return _gradient_scaled(tensor, divide=True)
+
+
+def _gradient_scaled(tensor: tf.Tensor, divide: bool) -> tf.Tensor:
+    """Identity whose gradient (made dense) is divided or multiplied by the number of ranks."""
     if not (tensor.dtype.is_floating or tensor.dtype.is_complex):
         return tensor
 
     @tf.custom_gradient
     def scaled(x):
         def grad(dy):
-            return dy / tf.cast(_collectives.comm_info()[1], dy.dtype)
+            dy = tf.convert_to_tensor(dy)
+            n = tf.cast(_collectives.comm_info()[1], dy.dtype)
+            return dy / n if divide else dy * n
 
         return tf.identity(x), grad
 
@@ -508,6 +515,9 @@ if _has("reducescatter"):
         """Reduce over ranks and give each rank its block of rows (``matex.reducescatter``)."""
         _no_process_set(process_set)
         compressed, context = compression.compress(tf.convert_to_tensor(tensor))
+        # Horovod's gradient is the size times MaTEx's (the allgathered output gradient,
+        # scaled by the factors, for Average; size times that for Sum)
+        compressed = _gradient_scaled(compressed, divide=False)
         out = matex.reducescatter(compressed, op=_op_name(op), name=name,
                                   prescale_factor=prescale_factor,
                                   postscale_factor=postscale_factor)
@@ -523,7 +533,8 @@ if _has("grouped_reducescatter"):
         """``reducescatter`` of several tensors at once (``matex.grouped_reducescatter``)."""
         _no_process_set(process_set)
         pairs = [compression.compress(tf.convert_to_tensor(t)) for t in tensors]
-        out = matex.grouped_reducescatter([c for c, _ in pairs], op=_op_name(op),
+        out = matex.grouped_reducescatter([_gradient_scaled(c, divide=False) for c, _ in pairs],
+                                          op=_op_name(op),
                                           prescale_factor=prescale_factor,
                                           postscale_factor=postscale_factor)
         return [compression.decompress(o, ctx) for o, (_, ctx) in zip(out, pairs)]
@@ -532,7 +543,11 @@ if _has("alltoall"):
     @_as_horovod_errors
     def alltoall(tensor: tf.Tensor, splits: Any = None, name: str | None = None,
                  ignore_name_scope: bool = False, process_set: Any = None) -> Any:
-        """Send block i of ``tensor`` (rows per ``splits``) to rank i (``matex.alltoall``);
-        returns (received tensor, received splits)."""
+        """Send block i of ``tensor`` (rows per ``splits``) to rank i (``matex.alltoall``).
+
+        Returns the received rows, and with ``splits`` given also the received
+        splits (a pair), as Horovod does.
+        """
         _no_process_set(process_set)
-        return matex.alltoall(tensor, splits=splits, name=name)
+        output, received = matex.alltoall(tensor, splits=splits, name=name)
+        return (output, received) if splits is not None else output

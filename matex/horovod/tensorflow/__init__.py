@@ -20,6 +20,7 @@ from matex.horovod._api import (DistributedGradientTape, DistributedOptimizer, A
                                 local_size, local_size_op, mpi_built, mpi_enabled,
                                 mpi_threads_supported, nccl_built, rank, rank_op, rocm_built,
                                 shutdown, size, size_op)
+from matex.horovod._api import _executing_eagerly  # noqa: F401 - Horovod's tests use hvd._executing_eagerly
 from matex.horovod._compression import Compression
 from matex.horovod.tensorflow import util
 
