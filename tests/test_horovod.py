@@ -88,6 +88,13 @@ def test_horovod_script_runs_unmodified_on_two_ranks_as_on_one(tmp_path):
     assert ranks[0]["allgather_grad"] == [1, 2] and ranks[1]["allgather_grad"] == [3, 4]
     assert [r["mismatch"] for r in ranks] == ["FailedPreconditionError"] * 2
     assert [r["sum_after"] for r in ranks] == [[2.0], [2.0]]
+    # reducescatter of ones, Sum: each rank's 2 rows hold 2; Horovod's gradient is 2 (MaTEx's 1)
+    assert [r["reducescatter_part"] for r in ranks] == [[2.0, 2.0]] * 2
+    assert [r["reducescatter_grad"] for r in ranks] == [[2.0] * 4] * 2
+    assert alone["reducescatter_grad"] == [1.0, 1.0]
+    # alltoall without splits: the rows alone; with splits: (rows, received splits)
+    assert [r["alltoall"] for r in ranks] == [[0, 1]] * 2
+    assert [r["alltoall_splits"] for r in ranks] == [[[0, 1], [1, 1]]] * 2
     # horovodrun's flags: 1 MiB fusion buckets; one merged timeline of both ranks
     assert [r["fusion_threshold"] for r in ranks] == [str(1 << 20)] * 2
     events = json.loads(timeline.read_text())

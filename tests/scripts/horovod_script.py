@@ -15,8 +15,9 @@ different number, and the root of the broadcasts is the last rank (seeded
    the learning rate at each batch and the epoch logs' ``lr``.
 3. A GradientTape loop with ``hvd.DistributedGradientTape`` and
    ``hvd.broadcast_variables``: final weights.
-4. Gradients of ``hvd.broadcast``/``hvd.allgather``; the error of an
-   allreduce whose shapes differ between ranks, and a sum after it.
+4. Gradients of ``hvd.broadcast``/``hvd.allgather``/``hvd.reducescatter``; the
+   error of an allreduce whose shapes differ between ranks, and a sum after it;
+   what ``hvd.alltoall`` returns with and without splits.
 """
 
 import json
@@ -122,6 +123,18 @@ except Exception as exc:  # noqa: BLE001 - the type is what the test checks
     report["mismatch"] = type(exc).__name__
 report["sum_after"] = hvd_tf.allreduce(tf.constant([1.0]), op=hvd_tf.Sum).numpy().tolist()
 report["fusion_threshold"] = os.environ.get("MATEX_FUSION_THRESHOLD")
+# reducescatter's gradient (Horovod: size times the allgathered output gradient for Sum);
+# alltoall returns the received splits only when given splits
+scattered_x = tf.ones([2 * SIZE])
+with tf.GradientTape() as tape:
+    tape.watch(scattered_x)
+    part = hvd_tf.reducescatter(scattered_x, op=hvd_tf.Sum)
+    scattered_loss = tf.reduce_sum(part)
+report["reducescatter_part"] = part.numpy().tolist()
+report["reducescatter_grad"] = tape.gradient(scattered_loss, scattered_x).numpy().tolist()
+report["alltoall"] = hvd_tf.alltoall(tf.fill([SIZE], RANK)).numpy().tolist()
+received, received_splits = hvd_tf.alltoall(tf.fill([SIZE], RANK), splits=[1] * SIZE)
+report["alltoall_splits"] = [received.numpy().tolist(), received_splits.numpy().tolist()]
 
 with open("%s.rank%d.json" % (out, RANK), "w") as f:
     json.dump(report, f)
