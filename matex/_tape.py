@@ -22,6 +22,9 @@ class _DistributedTapeMixin:
                                  unconnected_gradients=unconnected_gradients)
         flat = tf.nest.flatten(grads, expand_composites=False)
         op, threshold, compressor = self._matex_settings
+        if op == "adasum":   # dense: Adasum combines whole vectors
+            flat = [tf.convert_to_tensor(g) if isinstance(g, tf.IndexedSlices) else g
+                    for g in flat]
         variables = tf.nest.flatten(sources, expand_composites=False)
         reduced = _reduce.reduce_gradients(
             flat, variables if len(variables) == len(flat) else None, compressor, op, threshold)
@@ -35,7 +38,8 @@ def DistributedGradientTape(tape: tf.GradientTape, op: str = "average",
 
     Args:
       tape: a ``tf.GradientTape`` (converted in place and returned).
-      op: "average" (default) or "sum".
+      op: "average" (default), "sum" or "adasum" (``matex.allreduce``; sparse
+        gradients are made dense; no compression).
       fusion_threshold: bucket size in bytes for fusing small gradients
         (default ``MATEX_FUSION_THRESHOLD`` or 16 MiB; 0 disables fusion).
       compression: a ``matex.compression`` compressor or its text, as for
@@ -50,8 +54,9 @@ def DistributedGradientTape(tape: tf.GradientTape, op: str = "average",
 
     Use it or ``DistributedOptimizer``, not both: each reduces the gradients.
     """
-    if op not in ("average", "sum"):
-        raise ValueError("DistributedGradientTape op must be 'average' or 'sum', not %r" % op)
+    if op not in ("average", "sum", "adasum"):
+        raise ValueError("DistributedGradientTape op must be 'average', 'sum' or 'adasum', "
+                         "not %r" % op)
     if not isinstance(tape, tf.GradientTape):
         raise TypeError("DistributedGradientTape needs a tf.GradientTape, got %r" % (tape,))
     cls = type(tape)
@@ -61,5 +66,9 @@ def DistributedGradientTape(tape: tf.GradientTape, op: str = "average",
         tape.__class__ = _classes[cls]
     compressor = (_compression.from_environment() if compression is None
                   else _compression.from_spec(compression))
+    if op == "adasum" and compressor is not None:
+        raise ValueError("DistributedGradientTape: op='adasum' sends its gradients "
+                         "uncompressed; compression %r (or MATEX_COMPRESSION) is not used "
+                         "with it" % (compressor,))
     tape._matex_settings = (op, fusion_threshold, compressor)
     return tape

@@ -171,3 +171,27 @@ def test_distributed_optimizer_applies_the_adasum_of_the_gradients(mode):
         same_on_every_rank(tf.convert_to_tensor(v))
     with pytest.raises(ValueError, match="op='adasum'"):
         matex.DistributedOptimizer(keras.optimizers.SGD(0.5), op="adasum", delay=1)
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_distributed_gradient_tape_adasum_densifies_sparse_gradients(mode):
+    c = [rank_tensors(r, [(3,)])[0] for r in range(N)]
+    rows = [np.zeros((4, 2)) for _ in range(N)]
+    for r in range(N):
+        rows[r][r % 4] = [r + 1.0, -1.0]            # rank r's embedding row gradient
+    w = tf.Variable(tf.ones([3], tf.float64))
+    emb = tf.Variable(tf.ones([4, 2], tf.float64))
+
+    def step():
+        with tf.GradientTape() as tape:
+            loss = tf.reduce_sum(w * c[R]) + tf.reduce_sum(
+                tf.gather(emb, [R % 4]) * tf.constant(rows[R][R % 4], tf.float64))
+        return matex.DistributedGradientTape(tape, op="adasum").gradient(loss, [w, emb])
+
+    got = tf.function(step)() if mode == "function" else step()
+    want = reference([[c[r], rows[r]] for r in range(N)], tf.float64)
+    assert not isinstance(got[1], tf.IndexedSlices)
+    for g, expected in zip(got, want):
+        np.testing.assert_allclose(np.asarray(g), expected, rtol=1e-12, atol=1e-12)
+    with pytest.raises(ValueError, match="op='adasum' sends its gradients uncompressed"):
+        matex.DistributedGradientTape(tf.GradientTape(), op="adasum", compression="fp16")

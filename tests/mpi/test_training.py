@@ -130,7 +130,7 @@ def test_wrapping_keeps_class_identity_for_saving_and_rejects_bad_input():
     assert isinstance(matex.DistributedOptimizer(keras.optimizers.SGD), keras.optimizers.SGD)
     with pytest.raises(TypeError, match="Keras 3 optimizer"):
         matex.DistributedOptimizer(object())
-    with pytest.raises(ValueError, match="'average' or 'sum'"):
+    with pytest.raises(ValueError, match="'average', 'sum' or 'adasum', not 'max'"):
         matex.DistributedOptimizer("sgd", op="max")
 
 
