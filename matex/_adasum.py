@@ -74,20 +74,47 @@ def _p2p():
     return _p2p
 
 
+PIECES = 16   # at most this many tensors in a part: per-tensor reductions, else segment sums
+
+
 def _combine(left, right, seg, k, dtype, block_sum):
-    """cl * left + cr * right per segment, with dot products and norms summed by ``block_sum``."""
+    """cl * left + cr * right per tensor, with dot products and norms summed by ``block_sum``.
+
+    ``seg`` (NumPy, non-decreasing) names each element's tensor; the stats
+    vector is ``[dot, |left|^2, |right|^2]`` for each of the ``k`` tensors,
+    zero for tensors absent from this part (every rank of a block sends it).
+    """
     a = tf.cast(left, tf.float64)
     b = tf.cast(right, tf.float64)
-    ids = tf.constant(seg, tf.int32)
-    stats = tf.concat([tf.math.unsorted_segment_sum(a * b, ids, k),
-                       tf.math.unsorted_segment_sum(a * a, ids, k),
-                       tf.math.unsorted_segment_sum(b * b, ids, k)], 0)
-    stats = block_sum(stats)
-    dot, anorm, bnorm = stats[:k], stats[k:2 * k], stats[2 * k:]
+    ids, starts = np.unique(seg, return_index=True)
+    sizes = np.diff(np.append(starts, len(seg))).tolist()
+    if len(ids) == 0:
+        block_sum(tf.zeros([3 * k], tf.float64))   # the block's peers wait for this part's sums
+        return tf.cast(a, dtype)
+    few = len(ids) <= PIECES
+    if few:
+        pa = tf.split(a, sizes) if len(ids) > 1 else [a]
+        pb = tf.split(b, sizes) if len(ids) > 1 else [b]
+        local = tf.stack([tf.stack([tf.reduce_sum(x * y), tf.reduce_sum(x * x),
+                                    tf.reduce_sum(y * y)]) for x, y in zip(pa, pb)])
+    else:
+        rel = tf.constant(np.repeat(np.arange(len(ids), dtype=np.int32), sizes))
+        local = tf.stack([tf.math.segment_sum(a * b, rel), tf.math.segment_sum(a * a, rel),
+                          tf.math.segment_sum(b * b, rel)], 1)
+    if len(ids) < k:
+        local = tf.scatter_nd(tf.constant(ids[:, None], tf.int32), local, [k, 3])
+    stats = tf.reshape(block_sum(tf.reshape(local, [-1])), [k, 3])
+    stats = tf.gather(stats, tf.constant(ids, tf.int32)) if len(ids) < k else stats
+    dot, anorm, bnorm = stats[:, 0], stats[:, 1], stats[:, 2]
     one = tf.ones_like(dot)
     ca = tf.where(anorm > 0, 1.0 - dot / (2.0 * tf.where(anorm > 0, anorm, one)), one)
     cb = tf.where(bnorm > 0, 1.0 - dot / (2.0 * tf.where(bnorm > 0, bnorm, one)), one)
-    return tf.cast(tf.gather(ca, ids) * a + tf.gather(cb, ids) * b, dtype)
+    if few:
+        out = [ca[i] * x + cb[i] * y for i, (x, y) in enumerate(zip(pa, pb))]
+        out = tf.concat(out, 0) if len(out) > 1 else out[0]
+    else:
+        out = tf.repeat(ca, sizes) * a + tf.repeat(cb, sizes) * b
+    return tf.cast(out, dtype)
 
 
 def _adasum_flat(flat, seg, k, rank, size, comm):

@@ -105,6 +105,17 @@ def test_grouped_adasum_combines_each_tensor_as_its_own_layer(dtype, mode):
     assert not np.allclose(np.concatenate([np.asarray(g).ravel() for g in got]), whole)
 
 
+@pytest.mark.parametrize("mode", MODES)
+def test_grouped_adasum_of_many_small_tensors(mode):
+    """More tensors in a part than _adasum.PIECES: the segment-sum path."""
+    shapes = [(1 + i % 5,) for i in range(4 * _adasum.PIECES)]
+    per_rank = [rank_tensors(r, shapes) for r in range(N)]
+    got = run(mode, lambda *ts: _collectives.grouped_allreduce(list(ts), op="adasum"),
+              *[tf.constant(x) for x in per_rank[R]])
+    for g, expected in zip(got, reference(per_rank, tf.float64)):
+        np.testing.assert_allclose(np.asarray(g), expected, rtol=1e-12, atol=1e-12)
+
+
 def test_grouped_adasum_of_mixed_dtypes():
     per_rank = [rank_tensors(r, [(4,), (3,)]) for r in range(N)]
     got = _collectives.grouped_allreduce([tf.constant(per_rank[R][0], tf.float64),
