@@ -92,6 +92,9 @@ def test_horovod_script_runs_unmodified_on_two_ranks_as_on_one(tmp_path):
     assert [r["reducescatter_part"] for r in ranks] == [[2.0, 2.0]] * 2
     assert [r["reducescatter_grad"] for r in ranks] == [[2.0] * 4] * 2
     assert alone["reducescatter_grad"] == [1.0, 1.0]
+    # grouped, float64 rows [4, 3] with a float32 output gradient: each input gradient is 2
+    assert [r["grouped_reducescatter_grad"] for r in ranks] == [[24.0, 24.0]] * 2
+    assert alone["grouped_reducescatter_grad"] == [6.0, 6.0]
     # alltoall without splits: the rows alone; with splits: (rows, received splits)
     assert [r["alltoall"] for r in ranks] == [[0, 1]] * 2
     assert [r["alltoall_splits"] for r in ranks] == [[[0, 1], [1, 1]]] * 2

@@ -231,6 +231,26 @@ def _gradient_scaled(tensor: tf.Tensor, divide: bool) -> tf.Tensor:
     return scaled(tensor)
 
 
+def _gradient_in_dtype(tensor: tf.Tensor) -> tf.Tensor:
+    """Identity whose incoming gradient is cast to ``tensor``'s dtype.
+
+    Horovod accepts an output gradient of another float dtype (its tests pass
+    float32 ones for float64 outputs); MaTEx's grouped gradients are fused by
+    dtype, so they are cast first.
+    """
+    if not tensor.dtype.is_floating:
+        return tensor
+
+    @tf.custom_gradient
+    def cast(x):
+        def grad(dy):
+            return tf.cast(tf.convert_to_tensor(dy), x.dtype)
+
+        return tf.identity(x), grad
+
+    return cast(tensor)
+
+
 _ALLREDUCE_SCALES = "prescale_factor" in inspect.signature(matex.allreduce).parameters
 
 
@@ -502,8 +522,9 @@ if _has("grouped_allgather"):
                           process_set: Any = None) -> list[tf.Tensor]:
         """``allgather`` of several tensors at once (Horovod's averaged gradients)."""
         _no_process_set(process_set)
-        return matex.grouped_allgather(
+        out = matex.grouped_allgather(
             [_averaged_gradient(tf.convert_to_tensor(t)) for t in tensors], name=name)
+        return [_gradient_in_dtype(o) for o in out]
 
 if _has("reducescatter"):
     @_as_horovod_errors
@@ -537,7 +558,8 @@ if _has("grouped_reducescatter"):
                                           op=_op_name(op),
                                           prescale_factor=prescale_factor,
                                           postscale_factor=postscale_factor)
-        return [compression.decompress(o, ctx) for o, (_, ctx) in zip(out, pairs)]
+        return [_gradient_in_dtype(compression.decompress(o, ctx))
+                for o, (_, ctx) in zip(out, pairs)]
 
 if _has("alltoall"):
     @_as_horovod_errors

@@ -132,6 +132,14 @@ with tf.GradientTape() as tape:
     scattered_loss = tf.reduce_sum(part)
 report["reducescatter_part"] = part.numpy().tolist()
 report["reducescatter_grad"] = tape.gradient(scattered_loss, scattered_x).numpy().tolist()
+group = [tf.ones([2 * SIZE, 3], tf.float64) for _ in range(2)]
+with tf.GradientTape(persistent=True) as tape:
+    for t in group:
+        tape.watch(t)
+    parts = hvd_tf.grouped_reducescatter(group, op=hvd_tf.Sum)
+# a float32 output gradient for float64 outputs, as Horovod accepts
+report["grouped_reducescatter_grad"] = [
+    float(tf.reduce_sum(tape.gradient(p, t, tf.ones([2, 3])))) for p, t in zip(parts, group)]
 report["alltoall"] = hvd_tf.alltoall(tf.fill([SIZE], RANK)).numpy().tolist()
 received, received_splits = hvd_tf.alltoall(tf.fill([SIZE], RANK), splits=[1] * SIZE)
 report["alltoall_splits"] = [received.numpy().tolist(), received_splits.numpy().tolist()]
