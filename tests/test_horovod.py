@@ -98,6 +98,8 @@ def test_horovod_script_runs_unmodified_on_two_ranks_as_on_one(tmp_path):
     # alltoall without splits: the rows alone; with splits: (rows, received splits)
     assert [r["alltoall"] for r in ranks] == [[0, 1]] * 2
     assert [r["alltoall_splits"] for r in ranks] == [[[0, 1], [1, 1]]] * 2
+    # a graph's broadcast_ assigns the root's value (rank 1's: 1.0) when run
+    assert [r["graph_broadcast_"] for r in ranks] == [[[1.0, 1.0], [1.0, 1.0]]] * 2
     # horovodrun's flags: 1 MiB fusion buckets; one merged timeline of both ranks
     assert [r["fusion_threshold"] for r in ranks] == [str(1 << 20)] * 2
     events = json.loads(timeline.read_text())

@@ -362,9 +362,15 @@ def broadcast(tensor: tf.Tensor, root_rank: int, name: str | None = None,
 @_as_horovod_errors
 def broadcast_(variables: Iterable[tf.Variable], root_rank: int, name: str | None = None,
                process_set: Any = None) -> list[tf.Variable]:
-    """Assign rank ``root_rank``'s values to ``variables`` in place; returns them."""
+    """Assign rank ``root_rank``'s values to ``variables`` in place.
+
+    Eagerly it returns the variables; in a graph, the assignments' values
+    (running them broadcasts), as Horovod does.
+    """
     _no_process_set(process_set)
     variables = list(variables)
+    if not tf.executing_eagerly():
+        return [v.assign(matex.broadcast(v, root=root_rank)) for v in variables]
     for v in variables:
         v.assign(matex.broadcast(v, root=root_rank))
     return variables

@@ -18,6 +18,7 @@ different number, and the root of the broadcasts is the last rank (seeded
 4. Gradients of ``hvd.broadcast``/``hvd.allgather``/``hvd.reducescatter``; the
    error of an allreduce whose shapes differ between ranks, and a sum after it;
    what ``hvd.alltoall`` returns with and without splits.
+5. ``hvd.broadcast_`` in a TF1 graph run by a ``Session``.
 """
 
 import json
@@ -143,6 +144,15 @@ report["grouped_reducescatter_grad"] = [
 report["alltoall"] = hvd_tf.alltoall(tf.fill([SIZE], RANK)).numpy().tolist()
 received, received_splits = hvd_tf.alltoall(tf.fill([SIZE], RANK), splits=[1] * SIZE)
 report["alltoall_splits"] = [received.numpy().tolist(), received_splits.numpy().tolist()]
+
+# 5. TF1 graph mode: hvd.broadcast_ returns the assignments, run with them
+with tf.Graph().as_default():
+    variable = tf.compat.v1.Variable([float(RANK)] * 2)
+    assigned, = hvd_tf.broadcast_([variable], ROOT)
+    with tf.compat.v1.Session() as session:
+        session.run(variable.initializer)
+        report["graph_broadcast_"] = [session.run(assigned).tolist(),
+                                      session.run(variable).tolist()]
 
 with open("%s.rank%d.json" % (out, RANK), "w") as f:
     json.dump(report, f)
