@@ -47,21 +47,11 @@ from typing import Sequence
 
 import tensorflow as tf
 
-from matex._collectives import _as_tensor, _issue
-from matex._native import tf_ops
-from matex._runtime import _core, _run_as_is
+from matex._collectives import _as_tensor, _issue, _ops
+from matex._runtime import _run_as_is
 
 MAX_TAG = 8192   # kMaxP2PTag in tf_ops/core/p2p.h
 
-_loaded = None
-
-
-def _ops():
-    global _loaded
-    if _loaded is None:
-        _core()   # communicators handed to the C++ side before any op runs
-        _loaded = tf_ops()
-    return _loaded
 
 
 def _check(tag, *ranks):
