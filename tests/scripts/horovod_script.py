@@ -18,7 +18,8 @@ different number, and the root of the broadcasts is the last rank (seeded
 4. Gradients of ``hvd.broadcast``/``hvd.allgather``/``hvd.reducescatter``; the
    error of an allreduce whose shapes differ between ranks, and a sum after it;
    what ``hvd.alltoall`` returns with and without splits.
-5. ``hvd.broadcast_`` in a TF1 graph run by a ``Session``.
+5. ``hvd.broadcast_`` in a TF1 graph run by a ``Session``; two independent
+   collectives fetched together, made in program order.
 """
 
 import json
@@ -149,10 +150,18 @@ report["alltoall_splits"] = [received.numpy().tolist(), received_splits.numpy().
 with tf.Graph().as_default():
     variable = tf.compat.v1.Variable([float(RANK)] * 2)
     assigned, = hvd_tf.broadcast_([variable], ROOT)
+    # independent collectives of one Session.run: made in program order (a control
+    # dependency on the previous one), so every rank runs them in the same order
+    first = hvd_tf.allreduce(tf.ones([3]) * (RANK + 1), op=hvd_tf.Sum)
+    second = hvd_tf.allgather(tf.fill([RANK + 1], RANK))
+    report["graph_ordered"] = any(op is first.op or first.op in op.control_inputs
+                                  for op in [second.op] + [i.op for i in second.op.inputs])
     with tf.compat.v1.Session() as session:
         session.run(variable.initializer)
         report["graph_broadcast_"] = [session.run(assigned).tolist(),
                                       session.run(variable).tolist()]
+        together = session.run([second, first])
+        report["graph_together"] = [together[0].tolist(), together[1].tolist()]
 
 with open("%s.rank%d.json" % (out, RANK), "w") as f:
     json.dump(report, f)
