@@ -10,7 +10,6 @@ from __future__ import annotations
 import contextlib
 import functools
 import inspect
-import weakref
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any
 
@@ -61,48 +60,11 @@ def _horovod_errors() -> Iterator[None]:
         raise
 
 
-# TF1 graph -> the ops of the last collective this layer created in it
-_last_in_graph: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
-
-
-def _graph_ordered(function: Callable, *args: Any, **kwargs: Any) -> Any:
-    """``function(...)``, in a TF1 graph after the collectives created before it.
-
-    In a ``Session.run`` independent ops run in any order, and ranks may
-    start collectives in different orders (a mismatch, where Horovod
-    negotiates by name). Each collective made through this layer in a TF1
-    graph gets a control dependency on the previous one: the program order,
-    the same on every rank. Eagerly and in ``tf.function`` (whose automatic
-    control dependencies order stateful ops) nothing changes. Where TF1
-    control flow forbids the dependency, the collective is made without it.
-    """
-    if tf.executing_eagerly():
-        return function(*args, **kwargs)
-    graph = tf.compat.v1.get_default_graph()
-    if graph.building_function:
-        return function(*args, **kwargs)
-    before = _last_in_graph.get(graph)
-    if before:
-        try:
-            with tf.control_dependencies(before):
-                result = function(*args, **kwargs)
-        except ValueError:   # TF1 control flow: an op of another loop or branch
-            result = function(*args, **kwargs)
-    else:
-        result = function(*args, **kwargs)
-    ops = [t.op for t in tf.nest.flatten(result, expand_composites=True)
-           if isinstance(t, (tf.Tensor, tf.Operation)) or hasattr(t, "op")]
-    if ops:
-        _last_in_graph[graph] = ops
-    return result
-
-
 def _as_horovod_errors(function: Callable) -> Callable:
-    """Horovod's error for ranks that disagree; program order in TF1 graphs."""
     @functools.wraps(function)
     def call(*args: Any, **kwargs: Any) -> Any:
         with _horovod_errors():
-            return _graph_ordered(function, *args, **kwargs)
+            return function(*args, **kwargs)
 
     return call
 
