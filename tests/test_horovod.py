@@ -82,6 +82,10 @@ def test_horovod_script_runs_unmodified_on_two_ranks_as_on_one(tmp_path):
         np.testing.assert_allclose(report["warmup_logged_lr"], [expected[3], 0.1, 0.1],
                                    rtol=1e-6)
     assert ranks[0]["warmup_rates"][0] == pytest.approx(0.05625)
+    # epoch 0 untouched, epoch 1 0.1 * 0.5, epoch 2 0.1 * (2 + batch / 4)
+    for report in [alone] + ranks:
+        np.testing.assert_allclose(report["schedule_rates"],
+                                   [0.1] * 4 + [0.05] * 4 + [0.2, 0.225, 0.25, 0.275], rtol=1e-6)
     # root is rank 1: it gets the average of d(loss_r)/d(broadcast) = r + 1; rank 0 gets 0
     assert ranks[1]["broadcast_grad"] == [1.5, 1.5] and ranks[0]["broadcast_grad"] == [0, 0]
     # output gradient [1, 2, 3, 4] on both ranks: averaged (not summed), rank r's rows

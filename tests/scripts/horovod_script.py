@@ -12,7 +12,8 @@ different number, and the root of the broadcasts is the last rank (seeded
 1. ``fit`` with ``hvd.DistributedOptimizer``, ``BroadcastGlobalVariablesCallback``
    and ``MetricAverageCallback``: final weights and loss history.
 2. ``fit`` with ``LearningRateWarmupCallback(initial_lr=0.1, warmup_epochs=2)``:
-   the learning rate at each batch and the epoch logs' ``lr``.
+   the learning rate at each batch and the epoch logs' ``lr``; then two
+   ``LearningRateScheduleCallback`` (staircase, and per batch).
 3. A GradientTape loop with ``hvd.DistributedGradientTape`` and
    ``hvd.broadcast_variables``: final weights.
 4. Gradients of ``hvd.broadcast``/``hvd.allgather``/``hvd.reducescatter``; the
@@ -92,6 +93,18 @@ history = warm.fit(x, y, batch_size=B, epochs=3, shuffle=False, verbose=0,
                               recorder])
 report["warmup_rates"] = recorder.rates
 report["warmup_logged_lr"] = [float(v) for v in history.history["lr"]]
+
+# 2b. schedules: a constant multiplier (staircase) for epoch 1, a function per batch from 2
+recorder = Recorder()
+scheduled = make_model()
+scheduled.compile(optimizer=hvd.DistributedOptimizer(keras.optimizers.SGD(0.1)), loss="mse")
+scheduled.fit(x, y, batch_size=B, epochs=3, shuffle=False, verbose=0, callbacks=[
+    hvd.callbacks.LearningRateScheduleCallback(initial_lr=0.1, multiplier=0.5, start_epoch=1,
+                                               end_epoch=2),
+    hvd.callbacks.LearningRateScheduleCallback(initial_lr=0.1, multiplier=lambda e: e,
+                                               start_epoch=2, staircase=False),
+    recorder])
+report["schedule_rates"] = recorder.rates
 
 # 3. GradientTape loop
 tape_model = make_model()
