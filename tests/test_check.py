@@ -153,7 +153,7 @@ def test_a_thread_level_below_multiple_fails_with_the_fix():
 @pytest.mark.parametrize("argv, message", [
     (["--build"], "--build goes with --check"),
     (["--check", "train.py"], "--check runs no script (got train.py)"),
-    ([], "the following arguments are required: script (or --check)"),
+    ([], "the following arguments are required: script (or -m MODULE, or --check)"),
 ])
 def test_matexrun_check_flags_are_checked(argv, message, capsys, monkeypatch):
     import mpi4py
