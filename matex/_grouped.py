@@ -66,8 +66,8 @@ def grouped_allgather(tensors: Sequence[tf.Tensor], name: str | None = None,
     dtypes (1 to 8 dimensions each).
 
     Raises:
-      tf.errors.InvalidArgumentError on every rank if ranks disagree on the
-      group (count, dtypes, ranks or trailing dimensions).
+      tf.errors.InvalidArgumentError: on every rank, if ranks disagree on the
+        group (count, dtypes, ranks or trailing dimensions).
     """
     tensors = [_collectives._as_tensor(t, "grouped_allgather") for t in tensors]
     if not tensors:

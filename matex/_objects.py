@@ -44,8 +44,8 @@ def broadcast_object(obj: Any, root_rank: int = 0, comm: int | None = None) -> A
     ``comm``: None or 0 for MaTEx's communicator, else a slot number.
 
     Raises:
-      RemoteError on every rank if the root cannot pickle ``obj``, a rank
-      cannot unpickle it, or ``root_rank`` is not a rank of ``comm``.
+      RemoteError: on every rank, if the root cannot pickle ``obj``, a rank
+        cannot unpickle it, or ``root_rank`` is not a rank of ``comm``.
     """
     c = _communicator(comm)
     me, size = c.Get_rank(), c.Get_size()
@@ -84,8 +84,8 @@ def allgather_object(obj: Any, comm: int | None = None) -> list:
     unpickled copies.
 
     Raises:
-      RemoteError on every rank if a rank cannot pickle its ``obj`` or
-      unpickle another's.
+      RemoteError: on every rank, if a rank cannot pickle its ``obj`` or
+        unpickle another's.
     """
     c = _communicator(comm)
     me = c.Get_rank()
