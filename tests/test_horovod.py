@@ -147,3 +147,40 @@ def test_python_m_matex_module_errors(tmp_path):
     proc = subprocess.run([sys.executable, "-m", "matex.launcher", "-m"],
                           capture_output=True, text=True, timeout=120, cwd=tmp_path)
     assert proc.returncode == 2 and "-m needs a module name" in proc.stderr
+
+
+def test_cross_figures_follow_the_communicator(monkeypatch):
+    """hvd.cross_rank/cross_size were cached once per process (lru_cache), so after a ULFM
+    shrink replaced matex.comm() they described the old job. They are recomputed on the
+    communicator in use."""
+    import matex.horovod.tensorflow as hvd
+    from matex import _runtime
+
+    assert (hvd.cross_rank(), hvd.cross_size(), hvd.is_homogeneous()) == (0, 1, True)
+
+    class Cross:                       # the shrunk job's view: node 1 of 2
+        def Get_rank(self):
+            return 1
+
+        def Get_size(self):
+            return 2
+
+        def Free(self):
+            pass
+
+    class Shrunk:
+        def Get_rank(self):
+            return 0
+
+        def Get_size(self):
+            return 2
+
+        def Split(self, color, key):
+            return Cross()
+
+        def allgather(self, value):
+            return [value, value + 1]
+
+    shrunk = Shrunk()
+    monkeypatch.setattr(_runtime, "comm", lambda: shrunk)
+    assert (hvd.cross_rank(), hvd.cross_size(), hvd.is_homogeneous()) == (1, 2, False)
