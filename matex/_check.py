@@ -54,12 +54,6 @@ def _range_text(low: tuple[int, int], high: tuple[int, int]) -> str:
     return "%d.%d" % low if low == high else "%d.%d-%d.%d" % (low + high)
 
 
-def _distributions(top_level: str) -> list[str]:
-    """Names of the installed distributions that provide the import package ``top_level``."""
-    names = importlib.metadata.packages_distributions().get(top_level, [])
-    return sorted({n.replace("_", "-").lower() for n in names})
-
-
 def check_tensorflow() -> Item:
     """TensorFlow's version against the tested range, its distribution(s), the GPUs it sees."""
     from matex import _compat
@@ -70,7 +64,8 @@ def check_tensorflow() -> Item:
         return Item("TensorFlow", FAIL, "not importable (%s)" % exc,
                     "pip install 'matex[cpu]' (tensorflow-cpu), or tensorflow / your "
                     "site's TensorFlow module, version >= %d.%d" % _compat.TESTED_TENSORFLOW[0])
-    dists = _distributions("tensorflow")
+    dists = sorted({name.replace("_", "-").lower()
+                    for name, _ in _compat.tensorflow_distributions()})
     build = "CUDA build" if tf.test.is_built_with_cuda() else "CPU-only build"
     gpus = [d.name.replace("/physical_device:", "") for d in tf.config.list_physical_devices("GPU")]
     found = "%s (%s, %s), GPUs: %s" % (tf.__version__, ", ".join(dists) or "distribution unknown",

@@ -192,7 +192,8 @@ def test_an_mpiexec_that_does_not_exist_fails_with_the_fix(monkeypatch):
 def test_two_distributions_of_tensorflow_are_a_warning_with_the_fix(monkeypatch):
     import tensorflow as tf
 
-    monkeypatch.setattr(_check, "_distributions", lambda top: ["tensorflow", "tensorflow-cpu"])
+    both = [("tensorflow-cpu", tf.__version__), ("tensorflow", tf.__version__)]
+    monkeypatch.setattr(_compat, "tensorflow_distributions", lambda: both)
     item = _check.check_tensorflow()
     assert item.status == "warn"
     assert item.found.startswith("%s (tensorflow, tensorflow-cpu, " % tf.__version__)
