@@ -99,6 +99,28 @@ class BroadcastOp : public OpKernel {
   int comm_ = 0;
 };
 
+// An output buffer for the core to fill: TensorFlow leaves an empty tensor
+// without one, and the core takes null for a failed allocation.
+inline void* OutputData(const Tensor& t) {
+  static char empty;
+  void* p = const_cast<char*>(t.tensor_data().data());
+  return p != nullptr ? p : &empty;
+}
+
+// The core's allocator for output 0: shaped like `in`, with `rows` rows. A
+// failed allocation is kept in *status and returned to the core as null.
+inline auto RowsLike(OpKernelContext* ctx, const Tensor& in, absl::Status* status) {
+  return [ctx, &in, status](int64_t rows) -> void* {
+    TensorShape shape = in.shape();
+    shape.set_dim(0, rows);
+    Tensor* out = nullptr;
+    *status = ctx->allocate_output(0, shape, &out);
+    if (!status->ok()) return nullptr;
+    HugePagesFor(*out);
+    return OutputData(*out);
+  };
+}
+
 class AllgatherOp : public OpKernel {
  public:
   explicit AllgatherOp(OpKernelConstruction* c) : OpKernel(c) {
@@ -110,15 +132,7 @@ class AllgatherOp : public OpKernel {
     matex::DataType dtype;
     OP_REQUIRES_OK(ctx, CoreType(in.dtype(), &dtype));
     absl::Status alloc_status;
-    auto allocate = [&](int64_t rows) -> void* {
-      TensorShape shape = in.shape();
-      shape.set_dim(0, rows);
-      Tensor* out = nullptr;
-      alloc_status = ctx->allocate_output(0, shape, &out);
-      if (!alloc_status.ok()) return nullptr;
-      HugePagesFor(*out);
-      return const_cast<char*>(out->tensor_data().data());
-    };
+    auto allocate = RowsLike(ctx, in, &alloc_status);
     std::vector<int64_t> first_dims;
     matex::Status s = matex::Allgather(Ref(in), dtype, allocate, &first_dims, comm_);
     OP_REQUIRES_OK(ctx, alloc_status);
@@ -128,14 +142,6 @@ class AllgatherOp : public OpKernel {
  private:
   int comm_ = 0;
 };
-
-// An output buffer for the core to fill: TensorFlow leaves an empty tensor
-// without one, and the core takes null for a failed allocation.
-inline void* OutputData(const Tensor& t) {
-  static char empty;
-  void* p = const_cast<char*>(t.tensor_data().data());
-  return p != nullptr ? p : &empty;
-}
 
 // Splits the caller got wrong (on any rank) are an invalid argument, like a
 // mismatch; other failures keep ToTf's mapping.
@@ -162,15 +168,7 @@ class AlltoallOp : public OpKernel {
     const auto flat = splits_in.flat<int64_t>();
     std::vector<int64_t> splits(flat.data(), flat.data() + flat.size());
     absl::Status alloc_status;
-    auto allocate = [&](int64_t rows) -> void* {
-      TensorShape shape = in.shape();
-      shape.set_dim(0, rows);
-      Tensor* out = nullptr;
-      alloc_status = ctx->allocate_output(0, shape, &out);
-      if (!alloc_status.ok()) return nullptr;
-      HugePagesFor(*out);
-      return OutputData(*out);
-    };
+    auto allocate = RowsLike(ctx, in, &alloc_status);
     std::vector<int64_t> received;
     matex::Status s = matex::Alltoall(Ref(in), splits, dtype, allocate, &received, comm_);
     OP_REQUIRES_OK(ctx, alloc_status);
@@ -198,14 +196,7 @@ class ReducescatterOp : public OpKernel {
     matex::DataType dtype;
     OP_REQUIRES_OK(ctx, CoreType(in.dtype(), &dtype));
     absl::Status alloc_status;
-    auto allocate = [&](int64_t rows) -> void* {
-      TensorShape shape = in.shape();
-      shape.set_dim(0, rows);
-      Tensor* out = nullptr;
-      alloc_status = ctx->allocate_output(0, shape, &out);
-      if (!alloc_status.ok()) return nullptr;
-      return OutputData(*out);
-    };
+    auto allocate = RowsLike(ctx, in, &alloc_status);
     matex::Status s = matex::Reducescatter(Ref(in), dtype, op_, allocate, comm_);
     OP_REQUIRES_OK(ctx, alloc_status);
     OP_REQUIRES_OK(ctx, InvalidIsArgument(s, "matex reducescatter"));
