@@ -134,6 +134,19 @@ def _check_bool(tensor, op, what):
                         "(logical or) and product, not %r" % (what, op))
 
 
+def _reduce_one(what, tensor, op, name, comm, prescale_factor, postscale_factor):
+    """One tensor through the ``matex_<what>`` reduction op: checked, then scaled if asked."""
+    _check_op(op)
+    tensor = _as_tensor(tensor, what)
+    _check_bool(tensor, op, what)
+    make = getattr(_ops(), "matex_" + what)
+    if prescale_factor != 1.0 or postscale_factor != 1.0:
+        return _scaled_reduce(
+            lambda ts, kind: [_issue(make, ts[0], reduce_op=kind, comm=int(comm), name=name)],
+            [tensor], op, prescale_factor, postscale_factor, comm)[0]
+    return _issue(make, tensor, reduce_op=op, comm=int(comm), name=name)
+
+
 @_run_as_is
 def allreduce(tensor: tf.Tensor, op: str = "average", name: str | None = None,
               comm: int = 0, prescale_factor: float = 1.0,
@@ -170,15 +183,7 @@ def allreduce(tensor: tf.Tensor, op: str = "average", name: str | None = None,
 
         return _adasum.adasum(tensor, name=name, comm=comm, prescale_factor=prescale_factor,
                               postscale_factor=postscale_factor)
-    _check_op(op)
-    tensor = _as_tensor(tensor, "allreduce")
-    _check_bool(tensor, op, "allreduce")
-    if prescale_factor != 1.0 or postscale_factor != 1.0:
-        return _scaled_reduce(
-            lambda ts, kind: [_issue(_ops().matex_allreduce, ts[0], reduce_op=kind,
-                                     comm=int(comm), name=name)],
-            [tensor], op, prescale_factor, postscale_factor, comm)[0]
-    return _issue(_ops().matex_allreduce, tensor, reduce_op=op, comm=int(comm), name=name)
+    return _reduce_one("allreduce", tensor, op, name, comm, prescale_factor, postscale_factor)
 
 
 @_run_as_is
@@ -344,15 +349,8 @@ def reducescatter(tensor: tf.Tensor, op: str = "average", name: str | None = Non
       tf.errors.InvalidArgumentError on every rank if ranks disagree on shape,
       dtype or op, or for a scalar.
     """
-    _check_op(op)
-    tensor = _as_tensor(tensor, "reducescatter")
-    _check_bool(tensor, op, "reducescatter")
-    if prescale_factor != 1.0 or postscale_factor != 1.0:
-        return _scaled_reduce(
-            lambda ts, kind: [_issue(_ops().matex_reducescatter, ts[0], reduce_op=kind,
-                                     comm=int(comm), name=name)],
-            [tensor], op, prescale_factor, postscale_factor, comm)[0]
-    return _issue(_ops().matex_reducescatter, tensor, reduce_op=op, comm=int(comm), name=name)
+    return _reduce_one("reducescatter", tensor, op, name, comm, prescale_factor,
+                       postscale_factor)
 
 
 @_run_as_is
