@@ -50,13 +50,9 @@ REGISTER_OP("MatexBroadcast")
     .SetShapeFn(tensorflow::shape_inference::UnchangedShape)
     .Doc("Returns rank `root`'s `tensor` on every rank.");
 
-REGISTER_OP("MatexAllgather")
-    .Input("tensor: T")
-    .Output("output: T")
-    .Attr(MATEX_DTYPES)
-    .Attr(MATEX_COMM)
-    .SetIsStateful()
-    .SetShapeFn([](InferenceContext* c) {
+// Output 0 is input 0 with an unknown number of rows (allgather, alltoall,
+// reducescatter: the row count depends on the other ranks).
+static absl::Status RowsUnknown(InferenceContext* c) {
       ShapeHandle in, rest, out;
       TF_RETURN_IF_ERROR(c->WithRankAtLeast(c->input(0), 1, &in));
       TF_RETURN_IF_ERROR(c->Subshape(in, 1, &rest));
@@ -64,7 +60,15 @@ REGISTER_OP("MatexAllgather")
           c->Concatenate(c->Vector(InferenceContext::kUnknownDim), rest, &out));
       c->set_output(0, out);
       return absl::OkStatus();
-    })
+}
+
+REGISTER_OP("MatexAllgather")
+    .Input("tensor: T")
+    .Output("output: T")
+    .Attr(MATEX_DTYPES)
+    .Attr(MATEX_COMM)
+    .SetIsStateful()
+    .SetShapeFn(RowsUnknown)
     .Doc("Concatenates every rank's `tensor` along axis 0, in rank order.");
 
 REGISTER_OP("MatexAlltoall")
@@ -76,13 +80,9 @@ REGISTER_OP("MatexAlltoall")
     .Attr(MATEX_COMM)
     .SetIsStateful()
     .SetShapeFn([](InferenceContext* c) {
-      ShapeHandle in, rest, out, splits;
-      TF_RETURN_IF_ERROR(c->WithRankAtLeast(c->input(0), 1, &in));
+      ShapeHandle splits;
+      TF_RETURN_IF_ERROR(RowsUnknown(c));
       TF_RETURN_IF_ERROR(c->WithRank(c->input(1), 1, &splits));
-      TF_RETURN_IF_ERROR(c->Subshape(in, 1, &rest));
-      TF_RETURN_IF_ERROR(
-          c->Concatenate(c->Vector(InferenceContext::kUnknownDim), rest, &out));
-      c->set_output(0, out);
       c->set_output(1, c->Vector(InferenceContext::kUnknownDim));
       return absl::OkStatus();
     })
@@ -96,15 +96,7 @@ REGISTER_OP("MatexReducescatter")
     .Attr(MATEX_REDUCE_OPS)
     .Attr(MATEX_COMM)
     .SetIsStateful()
-    .SetShapeFn([](InferenceContext* c) {
-      ShapeHandle in, rest, out;
-      TF_RETURN_IF_ERROR(c->WithRankAtLeast(c->input(0), 1, &in));
-      TF_RETURN_IF_ERROR(c->Subshape(in, 1, &rest));
-      TF_RETURN_IF_ERROR(
-          c->Concatenate(c->Vector(InferenceContext::kUnknownDim), rest, &out));
-      c->set_output(0, out);
-      return absl::OkStatus();
-    })
+    .SetShapeFn(RowsUnknown)
     .Doc("Reduces `tensor` over all ranks and returns this rank's part of axis 0 "
          "(the first n % size ranks get one row more).");
 
