@@ -171,6 +171,15 @@ def _init(seed):
     return keras.initializers.GlorotUniform(seed=seed)
 
 
+def _column_row_model(d, g):
+    """A d -> d column-parallel then row-parallel pair (two d x d kernels), seeded."""
+    return keras.Sequential([
+        keras.Input((d,)),
+        mp.ColumnParallelDense(d, kernel_initializer=_init(30), gather_output=False,
+                               grid=g, name="col"),
+        mp.RowParallelDense(d, kernel_initializer=_init(31), grid=g, name="row")])
+
+
 def _data(n, shape_in, n_out, seed):
     rng = np.random.default_rng(seed)
     return (rng.standard_normal((n,) + shape_in).astype(np.float32),
@@ -384,11 +393,7 @@ def test_gather_model_streams_weights_to_root():
 
     d = 4096
     with mp.grid(tensor=T) as g:
-        model = keras.Sequential([
-            keras.Input((d,)),
-            mp.ColumnParallelDense(d, kernel_initializer=_init(30), gather_output=False,
-                                   grid=g, name="col"),
-            mp.RowParallelDense(d, kernel_initializer=_init(31), grid=g, name="row")])
+        model = _column_row_model(d, g)
         with open("/proc/self/clear_refs", "w") as f:
             f.write("5")
         base = _memory_kib("VmRSS:")
@@ -437,11 +442,7 @@ def test_save_model_streams_into_the_file_without_the_whole_model(tmp_path):
 
     d = 4096
     with mp.grid(tensor=T) as g:
-        model = keras.Sequential([
-            keras.Input((d,)),
-            mp.ColumnParallelDense(d, kernel_initializer=_init(30), gather_output=False,
-                                   grid=g, name="col"),
-            mp.RowParallelDense(d, kernel_initializer=_init(31), grid=g, name="row")])
+        model = _column_row_model(d, g)
         model.compile(optimizer="adam", loss="mse")   # the file keeps the compile config
         path = gather(str(tmp_path / "big.keras"))[0]
         mp.save_model(model, path)               # warm up (imports, h5py, zipfile)
