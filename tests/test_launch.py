@@ -443,3 +443,40 @@ def test_matexrun_retries_a_launch_that_failed_to_start(tmp_path, ft, fails):
         assert [line.split()[1] for line in proc.stdout.splitlines()] == ["0"]
     else:   # three launches failed: given up, mpiexec's own status
         assert proc.returncode == 213 and proc.stdout == ""
+
+
+FLAKY_TESTS = textwrap.dedent("""\
+    import os
+    COUNT = {count!r}
+
+    def _attempt(name):
+        path = COUNT + name
+        done = len(open(path).read()) if os.path.exists(path) else 0
+        open(path, "a").write("x")
+        return done
+
+    def test_launcher_flake_once():
+        assert _attempt("flake") > 0, (
+            "stderr: The PMIx server's listener thread failed to start. We cannot")
+
+    def test_launcher_flake_always():
+        _attempt("always")
+        assert False, "ptl_tool: problems getting address for index 0"
+
+    def test_own_failure():
+        _attempt("own")
+        assert False, "a rank's own error"
+""")
+
+
+def test_a_test_failing_only_at_mpiexec_start_up_is_run_again_and_no_other(tmp_path):
+    """tests/conftest.py reruns a test (twice at most) only when mpiexec failed to start."""
+    (tmp_path / "test_flaky.py").write_text(FLAKY_TESTS.format(count=str(tmp_path / "n-")))
+    proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
+                           "-p", "conftest", "-rA", str(tmp_path / "test_flaky.py")],
+                          cwd=tmp_path, capture_output=True, text=True, timeout=120,
+                          env=dict(os.environ, PYTHONPATH=os.path.dirname(__file__)))
+    runs = {name: len((tmp_path / ("n-" + name)).read_text()) for name in
+            ("flake", "always", "own")}
+    assert runs == {"flake": 2, "always": 3, "own": 1}, proc.stdout[-3000:]
+    assert "2 failed, 1 passed, 3 rerun" in proc.stdout, proc.stdout[-3000:]
