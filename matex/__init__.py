@@ -16,9 +16,21 @@ from matex._version import __version__ as __version__  # the one place it is wri
 from matex import _compat as _compat_module
 from matex import _config
 
+
+
+def _self_check() -> bool:
+    """Whether this process is ``matexrun --check`` / ``python -m matex --check``, which
+    reports a missing or old TensorFlow with its fix: the import must not stop it first."""
+    import os
+    import sys
+
+    return "--check" in sys.argv[1:] and os.path.basename(sys.argv[0]) in ("-m", "matexrun")
+
+
 # setup.py requires no TensorFlow flavour (any TensorFlow >= 2.21 will do): check here,
 # from the installed metadata, without importing TensorFlow
-_compat_module.require_tensorflow()
+if not _self_check():
+    _compat_module.require_tensorflow()
 
 if _config.ft_requested():
     # Under ULFM (mpiexec --with-ft ulfm) MPI_Finalize can wait forever on the

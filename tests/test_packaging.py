@@ -276,6 +276,22 @@ def test_import_matex_without_tensorflow_names_the_extra(tmp_path):
         "or your platform's TensorFlow build")
 
 
+def test_the_self_check_reports_a_missing_tensorflow_instead_of_dying_of_it(tmp_path):
+    """``python -m matex --check`` without TensorFlow: the import that refuses a plain
+    ``import matex`` lets the check run, which names what is missing and the fix."""
+    proc = subprocess.run([sys.executable, "-c", "import sys, runpy\n"
+                           "sys.modules['tensorflow'] = None\n"
+                           "sys.argv = ['-m', '--check']\n"
+                           "runpy.run_module('matex', run_name='__main__', alter_sys=True)"],
+                          cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 1, proc.stdout[-3000:] + proc.stderr[-3000:]
+    lines = proc.stdout.splitlines()
+    assert [line.split()[1] for line in lines if line.startswith("  FAIL")][:1] == ["TensorFlow"]
+    assert "fix: pip install 'matex[cpu]' (tensorflow-cpu)" in proc.stdout
+    assert lines[-2].startswith("FAILED: TensorFlow"), proc.stdout[-3000:]
+    assert any(line.startswith("  ok    MPI library") for line in lines), proc.stdout
+
+
 @pytest.mark.parametrize("found, error", [
     ([("tensorflow", "2.20.1")], "this is tensorflow 2.20.1: upgrade it (pip install -U "
                                  "tensorflow)"),
