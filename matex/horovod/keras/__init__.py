@@ -18,3 +18,8 @@ __all__ = [
     "Compression", "DistributedOptimizer", "allreduce", "allgather", "broadcast",
     "broadcast_global_variables", "load_model", "callbacks",
 ]
+
+# elastic training (hvd.elastic.run, hvd.elastic.KerasState...)
+from matex.horovod.keras import elastic  # noqa: E402
+
+__all__ += ["elastic"]

@@ -37,3 +37,8 @@ __all__ = [
 # the collectives MaTEx added for Horovod, where this MaTEx has them
 __all__ += _api.OPTIONAL
 globals().update({_n: getattr(_api, _n) for _n in _api.OPTIONAL})
+
+# elastic training (hvd.elastic.run, hvd.elastic.KerasState...)
+from matex.horovod.tensorflow import elastic  # noqa: E402
+
+__all__ += ["elastic"]

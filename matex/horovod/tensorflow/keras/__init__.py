@@ -67,3 +67,8 @@ def load_model(filepath: str, custom_optimizers: list | None = None,
     if getattr(model, "optimizer", None) is not None:
         DistributedOptimizer(model.optimizer, compression=compression)
     return model
+
+# elastic training (hvd.elastic.run, hvd.elastic.KerasState...)
+from matex.horovod.tensorflow.keras import elastic  # noqa: E402
+
+__all__ += ["elastic"]
