@@ -376,3 +376,29 @@ def test_without_ulfm_restart_resumes_from_an_intact_checkpoint(tmp_path):
     for r in results.values():
         assert r["size"] == 2
         assert r["seen"] == [float(EPOCHS)] * N   # epoch 1 from the checkpoint, 2 and 3 anew
+
+
+# A rank lost right before one of the collectives added for Horovod's API (#25): the
+# survivors meet the failure inside it, recover under run_resilient, and every later
+# result of every such collective equals NumPy's for the ranks alive then.
+@pytest.mark.parametrize("kills,survivors", [
+    ("1:3:alltoall,4:8:reducescatter,0:14:adasum", [2, 3]),
+    ("4:3:grouped_allgather,0:8:broadcast_object,2:14:allgather_object,3:20:barrier", [1]),
+], ids=["alltoall-reducescatter-adasum", "grouped-allgather-objects-barrier"])
+def test_a_rank_lost_inside_each_new_collective(tmp_path, kills, survivors):
+    out = str(tmp_path / "c")
+    env = dict(launch.launch_env(), FT_KILL_BEFORE=kills)
+    cmd = launch.mpiexec_command(5, [sys.executable, "-m", "matex", str(
+        mpitools.ROOT / "tests" / "scripts" / "ft_custom_loop.py"), out, str(N), "32",
+        str(EPOCHS), "collectives"], mpi_args=["-x", "FT_KILL_BEFORE"] + launch.ft_mpi_args())
+    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True, start_new_session=True)
+    stdout, err = _finish(proc)
+    assert proc.returncode == 0, _tail(err)
+    results = _results(out)
+    assert sorted(results) == survivors, _tail(err)
+    assert len({r["digest"] for r in results.values()}) == 1
+    for r in results.values():
+        assert r["mismatches"] == []
+        assert r["size"] == len(survivors) and r["recoveries"] == kills.count(":") // 2
+        assert r["iterations"] == STEPS * EPOCHS and r["seen"] == [float(EPOCHS)] * N
