@@ -402,3 +402,27 @@ def test_a_rank_lost_inside_each_new_collective(tmp_path, kills, survivors):
         assert r["mismatches"] == []
         assert r["size"] == len(survivors) and r["recoveries"] == kills.count(":") // 2
         assert r["iterations"] == STEPS * EPOCHS and r["seen"] == [float(EPOCHS)] * N
+
+
+# Horovod process sets across a shrink (#25 item 3): world rank 1 (in set A = [0, 1, 2]
+# only) dies at step 2; A's other members meet the failure inside A's allreduce, B = [2, 3]'s
+# rank 3 waits on rank 2, which went on to recover (the sets' communicators are revoked
+# with MaTEx's). Every later step's set sums, object gathers, ranks and the function
+# traced before the failure match NumPy over the survivors, renumbered as Horovod would.
+def test_process_sets_keep_working_over_their_survivors(tmp_path):
+    out = str(tmp_path / "p")
+    env = dict(launch.launch_env(), FT_KILL="1:2", TF_CPP_MIN_LOG_LEVEL="2")
+    cmd = launch.mpiexec_command(4, [sys.executable, "-m", "matex", str(
+        mpitools.ROOT / "tests" / "scripts" / "ft_process_sets.py"), out, "6"],
+        mpi_args=["-x", "FT_KILL"] + launch.ft_mpi_args())
+    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True, start_new_session=True, cwd=str(tmp_path))
+    stdout, err = _finish(proc)
+    assert proc.returncode == 0, _tail(err)
+    results = _results(out)
+    assert sorted(results) == [0, 2, 3], _tail(err)
+    for r in results.values():
+        assert r["mismatches"] == [] and r["size"] == 3 and r["recoveries"] == 1
+        assert r["ranks"] == {"A": [0, 1], "B": [1, 2]} and r["iterations"] == 6
+        assert r["w"] == [pytest.approx(-0.1 * (2 * 4 + 4 * 3))]   # SGD 0.1 on summed ones
+    assert results[0]["traces"] == results[2]["traces"] == 1   # no retrace after the shrink

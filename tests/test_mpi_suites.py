@@ -11,7 +11,8 @@ TCP = ["--mca", "btl", "tcp,self"]
                          ids=["2-ranks", "3-ranks", "2-ranks-tcp"])
 def test_collectives_and_training(nranks, mpi_args, tmp_path):
     count = mpitools.run_suite(nranks, ["test_collectives.py", "test_training.py",
-                                        "test_adasum.py"],   # after a traced optimizer step
+                                        "test_adasum.py",    # after a traced optimizer step
+                                        "test_process_sets.py"],
                                tmp_path, mpi_args=mpi_args)
     assert count >= 140
 
@@ -23,4 +24,5 @@ def test_core_without_tensorflow(nranks, tmp_path):
 
 @pytest.mark.parametrize("nranks", [2, 3])
 def test_keras_api(nranks, tmp_path):
-    assert mpitools.run_suite(nranks, ["test_keras_api.py", "test_runtime.py"], tmp_path) >= 9
+    assert mpitools.run_suite(nranks, ["test_keras_api.py", "test_runtime.py",
+                                       "test_horovod_training.py"], tmp_path) >= 20

@@ -123,8 +123,10 @@ def test_pipeline_four_ranks(tmp_path):
     out = tmp_path / "saved"
     out.mkdir()
     env = dict(os.environ, MATEX_PIPELINE_SAVE_DIR=str(out))
-    # + op="adasum" on 4 ranks (its power-of-two tree), in the same launch
-    assert mpitools.run_suite(4, ["test_pipeline_4ranks.py", "test_adasum.py"],
+    # + op="adasum" on 4 ranks (its power-of-two tree) and process sets of 2 and 3 ranks,
+    # in the same launch
+    assert mpitools.run_suite(4, ["test_pipeline_4ranks.py", "test_adasum.py",
+                                  "test_process_sets.py"],
                               tmp_path / "reports", timeout=600, env=env) >= 26
     # trained on 4 ranks, loaded here in one process with plain Keras: same predictions
     whole = keras.models.load_model(out / "pipelined.keras")

@@ -16,8 +16,9 @@ from typing import Any
 import tensorflow as tf
 
 import matex
-from matex import _collectives, _runtime
+from matex import _collectives, _process_sets, _runtime
 from matex.errors import is_mismatch
+from matex._process_sets import ProcessSet, global_process_set
 from matex.horovod._compression import Compression, Compressor
 
 # Horovod's reduce-op constants (horovod.common.basics) and MaTEx's names for them
@@ -74,14 +75,33 @@ def _as_horovod_errors(function: Callable) -> Callable:
 def init(comm: Any = None, process_sets: Any = None) -> None:
     """Start MaTEx (Horovod's ``hvd.init``); ``comm`` an mpi4py communicator or None.
 
-    A list of world ranks (Horovod's other form of ``comm``) and process
-    sets are not supported: a ValueError.
+    ``process_sets``: ``hvd.ProcessSet`` objects to register (collective;
+    a duplicate is a ValueError, as in Horovod), or "dynamic" (none now;
+    ``add_process_set`` works either way). A list of world ranks (Horovod's
+    other form of ``comm``) is not supported: a ValueError.
     """
-    if process_sets is not None:
-        raise ValueError("process sets are not supported by matex.horovod")
     if comm is not None and not hasattr(comm, "Get_rank"):
         raise ValueError("hvd.init(comm=...) takes an mpi4py communicator here, not %r" % (comm,))
     _runtime.init(comm)
+    global_process_set.ranks = list(range(_runtime.size()))
+    if process_sets is not None and not (isinstance(process_sets, str)
+                                         and process_sets.lower() == "dynamic"):
+        _process_sets.init_sets(list(process_sets))
+
+
+def add_process_set(process_set: ProcessSet | Sequence[int]) -> ProcessSet:
+    """Register a process set on every rank (collective); returns it with its id.
+
+    Ranks are global ranks; a set with the ranks of an existing one is a
+    ValueError (Horovod's rules; ``matex._process_sets.add``).
+    """
+    _runtime.init()
+    return _process_sets.add(process_set)
+
+
+def remove_process_set(process_set: ProcessSet) -> bool:
+    """Unregister ``process_set`` on every rank (collective); False if it was not registered."""
+    return _process_sets.remove(process_set)
 
 
 def shutdown() -> None:
@@ -190,10 +210,23 @@ def rank_op(name: str | None = None) -> tf.Tensor:
 
 
 def size_op(process_set_id: int = 0, name: str | None = None) -> tf.Tensor:
-    """The number of ranks, as an int32 tensor read when the op runs (global set only)."""
-    if process_set_id != 0:
-        raise ValueError("process sets are not supported by matex.horovod")
-    return tf.cast(_collectives.comm_info()[1], tf.int32, name=name)
+    """The number of ranks (of the process set ``process_set_id``), as an int32 tensor.
+
+    Read when the op runs on the set's members (so it follows a shrink); a
+    constant on the ranks outside the set.
+    """
+    ps = _process_sets.get(process_set_id)
+    if process_set_id == 0 or not ps.included():
+        if process_set_id != 0:
+            return tf.constant(ps.size(), tf.int32, name=name)
+        return tf.cast(_collectives.comm_info()[1], tf.int32, name=name)
+    return tf.cast(_collectives.comm_info(_process_sets.slot_of(ps))[1], tf.int32, name=name)
+
+
+def process_set_included_op(process_set_id: int = 0, name: str | None = None) -> tf.Tensor:
+    """1 (int32) if this rank belongs to the process set ``process_set_id``, else 0."""
+    return tf.constant(int(bool(_process_sets.get(process_set_id).included())), tf.int32,
+                       name=name)
 
 
 def local_rank_op(name: str | None = None) -> tf.Tensor:
@@ -209,21 +242,33 @@ def local_size_op(name: str | None = None) -> tf.Tensor:
 # ---- collectives ------------------------------------------------------------
 
 def _no_process_set(process_set: Any) -> None:
-    if process_set is not None:
+    if process_set is not None and process_set is not global_process_set:
         raise ValueError("process sets are not supported by matex.horovod")
 
 
-def _averaged_gradient(tensor: tf.Tensor) -> tf.Tensor:
-    """Identity whose gradient is divided by the number of ranks.
+def _slot(process_set: ProcessSet | None) -> int:
+    """The communicator slot of ``process_set`` (0: every rank); a non-member raises."""
+    return _process_sets.slot_of(process_set)
+
+
+def _set_size(process_set: ProcessSet | None) -> int:
+    if process_set is None or process_set.process_set_id == 0:
+        return size()
+    return process_set.size() or 0
+
+
+def _averaged_gradient(tensor: tf.Tensor, comm: int = 0) -> tf.Tensor:
+    """Identity whose gradient is divided by the number of ranks (of slot ``comm``).
 
     MaTEx's broadcast and allgather gradients sum over ranks, Horovod's
     average: the compat layer puts this in front of them.
     """
-    return _gradient_scaled(tensor, divide=True)
+    return _gradient_scaled(tensor, divide=True, comm=comm)
 
 
-def _gradient_scaled(tensor: tf.Tensor, divide: bool) -> tf.Tensor:
-    """Identity whose gradient (made dense) is divided or multiplied by the number of ranks."""
+def _gradient_scaled(tensor: tf.Tensor, divide: bool, comm: int = 0) -> tf.Tensor:
+    """Identity whose gradient (made dense) is divided or multiplied by the number of ranks
+    of slot ``comm``."""
     if not (tensor.dtype.is_floating or tensor.dtype.is_complex):
         return tensor
 
@@ -231,7 +276,7 @@ def _gradient_scaled(tensor: tf.Tensor, divide: bool) -> tf.Tensor:
     def scaled(x):
         def grad(dy):
             dy = tf.convert_to_tensor(dy)
-            n = tf.cast(_collectives.comm_info()[1], dy.dtype)
+            n = tf.cast(_collectives.comm_info(comm)[1], dy.dtype)
             return dy / n if divide else dy * n
 
         return tf.identity(x), grad
@@ -282,9 +327,10 @@ def allreduce(tensor: tf.Tensor | tf.IndexedSlices, average: bool | None = None,
     A ``tf.IndexedSlices`` is allgathered (values and indices), divided by
     the number of ranks for Average, as Horovod does. ``prescale_factor``
     multiplies the input before the reduction, ``postscale_factor`` the
-    result after it.
+    result after it. ``process_set``: reduce over its ranks only (a rank
+    outside it gets ``tf.errors.InvalidArgumentError``).
     """
-    _no_process_set(process_set)
+    comm = _slot(process_set)
     op = handle_average_backwards_compatibility(op, average)
     if isinstance(tensor, tf.IndexedSlices):
         if op == Adasum:
@@ -296,20 +342,20 @@ def allreduce(tensor: tf.Tensor | tf.IndexedSlices, average: bool | None = None,
         if prescale_factor != 1.0 or postscale_factor != 1.0:
             raise NotImplementedError("Pre/postscale_factor are not supported with "
                                       "tf.IndexedSlices")
-        values = allgather(tensor.values)
-        indices = allgather(tensor.indices)
+        values = allgather(tensor.values, process_set=process_set)
+        indices = allgather(tensor.indices, process_set=process_set)
         if op == Average:
-            values = values / tf.cast(size(), values.dtype)
+            values = values / tf.cast(_set_size(process_set), values.dtype)
         return tf.IndexedSlices(values, indices, dense_shape=tensor.dense_shape)
     tensor = tf.convert_to_tensor(tensor)
     compressed, context = compression.compress(tensor)
     if _ALLREDUCE_SCALES:   # MaTEx applies Horovod's scaling rules itself
-        reduced = matex.allreduce(compressed, op=_op_name(op), name=name,
+        reduced = matex.allreduce(compressed, op=_op_name(op), name=name, comm=comm,
                                   prescale_factor=prescale_factor,
                                   postscale_factor=postscale_factor)
         return compression.decompress(reduced, context)
     scaled = _scale(compressed, prescale_factor)
-    reduced = matex.allreduce(scaled, op=_op_name(op), name=name)
+    reduced = matex.allreduce(scaled, op=_op_name(op), name=name, comm=comm)
     return compression.decompress(_scale(reduced, postscale_factor), context)
 
 
@@ -320,13 +366,14 @@ def grouped_allreduce(tensors: Sequence[tf.Tensor], average: bool | None = None,
                       prescale_factor: float = 1.0, postscale_factor: float = 1.0,
                       process_set: Any = None) -> list[tf.Tensor]:
     """Reduce several tensors at once (one fused MPI call per dtype), as ``allreduce`` each."""
-    _no_process_set(process_set)
+    comm = _slot(process_set)
     op = handle_average_backwards_compatibility(op, average)
     if not tensors:
         return []
     if any(isinstance(t, tf.IndexedSlices) for t in tensors):
         return [allreduce(t, op=op, compression=compression, prescale_factor=prescale_factor,
-                          postscale_factor=postscale_factor) for t in tensors]
+                          postscale_factor=postscale_factor, process_set=process_set)
+                for t in tensors]
     pairs = [compression.compress(tf.convert_to_tensor(t)) for t in tensors]
     scaled = [_scale(c, prescale_factor) for c, _ in pairs]
     by_dtype: dict[tf.DType, list[int]] = {}
@@ -335,7 +382,8 @@ def grouped_allreduce(tensors: Sequence[tf.Tensor], average: bool | None = None,
     reduced: list[Any] = [None] * len(scaled)
     grouped = getattr(matex, "grouped_allreduce", None) or _collectives.grouped_allreduce
     for indices in by_dtype.values():
-        for i, out in zip(indices, grouped([scaled[i] for i in indices], op=_op_name(op))):
+        for i, out in zip(indices, grouped([scaled[i] for i in indices], op=_op_name(op),
+                                                  comm=comm)):
             reduced[i] = out
     return [compression.decompress(_scale(r, postscale_factor), ctx)
             for r, (_, ctx) in zip(reduced, pairs)]
@@ -347,11 +395,11 @@ def allgather(tensor: tf.Tensor, name: str | None = None, ignore_name_scope: boo
     """Concatenate every rank's ``tensor`` along axis 0 (first dimensions may differ).
 
     Its gradient is Horovod's: the output gradient averaged over ranks, this
-    rank's rows.
+    rank's rows. With ``process_set``, over its ranks only.
     """
-    _no_process_set(process_set)
+    comm = _slot(process_set)
     tensor = tf.convert_to_tensor(tensor)
-    return matex.allgather(_averaged_gradient(tensor), name=name)
+    return matex.allgather(_averaged_gradient(tensor, comm), name=name, comm=comm)
 
 
 @_as_horovod_errors
@@ -360,11 +408,13 @@ def broadcast(tensor: tf.Tensor, root_rank: int, name: str | None = None,
     """Rank ``root_rank``'s ``tensor`` on every rank.
 
     Its gradient is Horovod's: the output gradient averaged over ranks on the
-    root, zero elsewhere.
+    root, zero elsewhere. ``root_rank`` is a global rank, also with a
+    ``process_set`` (as in Horovod).
     """
-    _no_process_set(process_set)
+    comm = _slot(process_set)
+    root = _process_sets.root_in(process_set, root_rank)
     tensor = tf.convert_to_tensor(tensor)
-    return matex.broadcast(_averaged_gradient(tensor), root=root_rank, name=name)
+    return matex.broadcast(_averaged_gradient(tensor, comm), root=root, name=name, comm=comm)
 
 
 @_as_horovod_errors
@@ -375,12 +425,13 @@ def broadcast_(variables: Iterable[tf.Variable], root_rank: int, name: str | Non
     Eagerly it returns the variables; in a graph, the assignments' values
     (running them broadcasts), as Horovod does.
     """
-    _no_process_set(process_set)
+    comm = _slot(process_set)
+    root = _process_sets.root_in(process_set, root_rank)
     variables = list(variables)
     if not tf.executing_eagerly():
-        return [v.assign(matex.broadcast(v, root=root_rank)) for v in variables]
+        return [v.assign(matex.broadcast(v, root=root, comm=comm)) for v in variables]
     for v in variables:
-        v.assign(matex.broadcast(v, root=root_rank))
+        v.assign(matex.broadcast(v, root=root, comm=comm))
     return variables
 
 
@@ -392,12 +443,13 @@ def broadcast_variables(variables: Iterable[tf.Variable], root_rank: int,
     Eagerly it assigns and returns None; in a graph it returns the group of
     assign ops, as Horovod does.
     """
-    _no_process_set(process_set)
+    comm = _slot(process_set)
+    root = _process_sets.root_in(process_set, root_rank)
     variables = list(variables)
     if tf.executing_eagerly():
-        matex.broadcast_variables(variables, root=root_rank)
+        matex.broadcast_variables(variables, root=root, comm=comm)
         return None
-    return tf.group(*[v.assign(matex.broadcast(v, root=root_rank)) for v in variables])
+    return tf.group(*[v.assign(matex.broadcast(v, root=root, comm=comm)) for v in variables])
 
 
 def broadcast_global_variables(root_rank: int) -> Any:
@@ -504,30 +556,30 @@ OPTIONAL = [name for name in ("barrier", "broadcast_object", "broadcast_object_f
 if _has("barrier"):
     @_as_horovod_errors
     def barrier(process_set: Any = None) -> Any:
-        """Wait until every rank has reached this point (``matex.barrier``)."""
-        _no_process_set(process_set)
-        return matex.barrier()
+        """Wait until every rank (of ``process_set``) has reached this point."""
+        return matex.barrier(comm=_slot(process_set))
 
 if _has("broadcast_object"):
     def broadcast_object(obj: Any, root_rank: int = 0, session: Any = None,
                          name: str | None = None, process_set: Any = None) -> Any:
         """Rank ``root_rank``'s picklable ``obj`` on every rank (``matex.broadcast_object``)."""
-        _no_process_set(process_set)
-        return matex.broadcast_object(obj, root_rank)
+        comm = _slot(process_set)
+        return matex.broadcast_object(obj, _process_sets.root_in(process_set, root_rank),
+                                      comm=comm)
 
 if _has("broadcast_object_fn"):
     def broadcast_object_fn(root_rank: int = 0, session: Any = None, name: str | None = None,
                             process_set: Any = None) -> Callable[[Any], Any]:
         """A function broadcasting its argument from ``root_rank``."""
-        _no_process_set(process_set)
-        return matex.broadcast_object_fn(root_rank)
+        comm = _slot(process_set)
+        return matex.broadcast_object_fn(_process_sets.root_in(process_set, root_rank),
+                                         comm=comm)
 
 if _has("allgather_object"):
     def allgather_object(obj: Any, session: Any = None, name: str | None = None,
                          process_set: Any = None) -> list:
         """Every rank's picklable ``obj``, in rank order (``matex.allgather_object``)."""
-        _no_process_set(process_set)
-        return matex.allgather_object(obj)
+        return matex.allgather_object(obj, comm=_slot(process_set))
 
 if _has("grouped_allgather"):
     @_as_horovod_errors
@@ -535,9 +587,10 @@ if _has("grouped_allgather"):
                           ignore_name_scope: bool = False,
                           process_set: Any = None) -> list[tf.Tensor]:
         """``allgather`` of several tensors at once (Horovod's averaged gradients)."""
-        _no_process_set(process_set)
+        comm = _slot(process_set)
         out = matex.grouped_allgather(
-            [_averaged_gradient(tf.convert_to_tensor(t)) for t in tensors], name=name)
+            [_averaged_gradient(tf.convert_to_tensor(t), comm) for t in tensors], name=name,
+            comm=comm)
         return [_gradient_in_dtype(o) for o in out]
 
 if _has("reducescatter"):
@@ -548,12 +601,12 @@ if _has("reducescatter"):
                       ignore_name_scope: bool = False, prescale_factor: float = 1.0,
                       postscale_factor: float = 1.0) -> tf.Tensor:
         """Reduce over ranks and give each rank its block of rows (``matex.reducescatter``)."""
-        _no_process_set(process_set)
+        comm = _slot(process_set)
         compressed, context = compression.compress(tf.convert_to_tensor(tensor))
         # Horovod's gradient is the size times MaTEx's (the allgathered output gradient,
         # scaled by the factors, for Average; size times that for Sum)
-        compressed = _gradient_scaled(compressed, divide=False)
-        out = matex.reducescatter(compressed, op=_op_name(op), name=name,
+        compressed = _gradient_scaled(compressed, divide=False, comm=comm)
+        out = matex.reducescatter(compressed, op=_op_name(op), name=name, comm=comm,
                                   prescale_factor=prescale_factor,
                                   postscale_factor=postscale_factor)
         return compression.decompress(out, context)
@@ -566,10 +619,11 @@ if _has("grouped_reducescatter"):
                               prescale_factor: float = 1.0,
                               postscale_factor: float = 1.0) -> list[tf.Tensor]:
         """``reducescatter`` of several tensors at once (``matex.grouped_reducescatter``)."""
-        _no_process_set(process_set)
+        comm = _slot(process_set)
         pairs = [compression.compress(tf.convert_to_tensor(t)) for t in tensors]
-        out = matex.grouped_reducescatter([_gradient_scaled(c, divide=False) for c, _ in pairs],
-                                          op=_op_name(op),
+        out = matex.grouped_reducescatter([_gradient_scaled(c, divide=False, comm=comm)
+                                           for c, _ in pairs],
+                                          op=_op_name(op), comm=comm,
                                           prescale_factor=prescale_factor,
                                           postscale_factor=postscale_factor)
         return [_gradient_in_dtype(compression.decompress(o, ctx))
@@ -584,6 +638,6 @@ if _has("alltoall"):
         Returns the received rows, and with ``splits`` given also the received
         splits (a pair), as Horovod does.
         """
-        _no_process_set(process_set)
-        output, received = matex.alltoall(tensor, splits=splits, name=name)
+        output, received = matex.alltoall(tensor, splits=splits, name=name,
+                                          comm=_slot(process_set))
         return (output, received) if splits is not None else output

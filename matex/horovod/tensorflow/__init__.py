@@ -23,6 +23,8 @@ from matex.horovod._api import (DistributedGradientTape, DistributedOptimizer, A
 from matex.horovod._api import _executing_eagerly  # noqa: F401 - Horovod's tests use hvd._executing_eagerly
 from matex.horovod._compression import Compression
 from matex.horovod.tensorflow import util
+from matex.horovod._api import (ProcessSet, add_process_set, global_process_set,  # process sets
+                                process_set_included_op, remove_process_set)
 
 __all__ = [
     "init", "shutdown", "is_initialized", "rank", "size", "local_rank", "local_size",
@@ -42,3 +44,5 @@ globals().update({_n: getattr(_api, _n) for _n in _api.OPTIONAL})
 from matex.horovod.tensorflow import elastic  # noqa: E402
 
 __all__ += ["elastic"]
+__all__ += ["ProcessSet", "global_process_set", "add_process_set",   # process sets
+            "remove_process_set", "process_set_included_op"]

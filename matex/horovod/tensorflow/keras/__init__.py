@@ -21,6 +21,8 @@ from matex.horovod._api import (DistributedOptimizer, Adasum, Average, Max, Min,
                                 rocm_built, shutdown, size)
 from matex.horovod._compression import Compression, Compressor
 from matex.horovod.tensorflow.keras import callbacks
+from matex.horovod._api import (ProcessSet, add_process_set, global_process_set,  # process sets
+                                remove_process_set)
 
 __all__ = [
     "init", "shutdown", "is_initialized", "rank", "size", "local_rank", "local_size",
@@ -72,3 +74,7 @@ def load_model(filepath: str, custom_optimizers: list | None = None,
 from matex.horovod.tensorflow.keras import elastic  # noqa: E402
 
 __all__ += ["elastic"]
+
+
+__all__ += ["ProcessSet", "global_process_set", "add_process_set",   # process sets
+            "remove_process_set"]
