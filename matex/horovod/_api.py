@@ -482,9 +482,9 @@ def _check_training_args(what: str, backward_passes_per_step: int = 1,
                          average_aggregated_gradients: bool = False) -> None:
     """Horovod options MaTEx has no equivalent for: a NotImplementedError naming them."""
     _no_process_set(process_set)
-    if backward_passes_per_step != 1:
-        raise NotImplementedError("%s: backward_passes_per_step is not supported by matex "
-                                  "(got %r)" % (what, backward_passes_per_step))
+    if (isinstance(backward_passes_per_step, bool) or not isinstance(backward_passes_per_step, int)
+            or backward_passes_per_step <= 0):
+        raise ValueError("backward_passes_per_step must be > 0")
     if gradient_predivide_factor != 1.0 and op != Average:
         raise ValueError("gradient_predivide_factor not supported with op != Average")
     if groups is not None or num_groups:
@@ -499,6 +499,20 @@ def _compression_spec(compression: type[Compressor]) -> str:
     return "fp16" if compression is Compression.fp16 else "none"
 
 
+def _local_layers(local_layers: Any) -> list:
+    """Horovod's ``local_layers=``: None, one Keras layer or an iterable of them."""
+    import keras
+
+    if local_layers is None:
+        return []
+    if isinstance(local_layers, keras.layers.Layer):
+        return [local_layers]
+    local_layers = list(local_layers)
+    if not all(isinstance(layer, keras.layers.Layer) for layer in local_layers):
+        raise ValueError("All local layers must be of tf.keras.layers.Layer type.")
+    return local_layers
+
+
 def DistributedOptimizer(optimizer: Any, name: str | None = None, use_locking: bool = False,
                          device_dense: str = "", device_sparse: str = "",
                          compression: type[Compressor] = Compression.none,
@@ -509,20 +523,90 @@ def DistributedOptimizer(optimizer: Any, name: str | None = None, use_locking: b
                          scale_local_gradients: bool = True) -> Any:
     """A Keras 3 optimizer whose gradients are averaged (or summed) over ranks.
 
-    ``matex.DistributedOptimizer`` under Horovod's signature: ``op`` Average
-    or Sum, ``compression`` none or fp16. ``gradient_predivide_factor`` only
-    splits Horovod's average into a pre- and post-division: the average is
-    the same, and MaTEx divides once. Not supported (NotImplementedError):
-    ``backward_passes_per_step`` > 1, process sets, TF1 ``tf.compat.v1``
-    optimizers.
+    ``matex.DistributedOptimizer`` under Horovod's signature: ``op`` Average,
+    Sum or Adasum, ``compression`` none or fp16. ``gradient_predivide_factor``
+    only splits Horovod's average into a pre- and post-division: the average
+    is the same, and MaTEx divides once. ``backward_passes_per_step=N``
+    accumulates gradients locally and reduces and applies them every N-th
+    call (divided by N with ``average_aggregated_gradients``); the other calls
+    only advance ``iterations``, as in Horovod. ``sparse_as_dense`` makes
+    ``IndexedSlices`` gradients dense before the reduction. The optimizer
+    gains Horovod's ``register_local_var(var)``: that variable's gradient is
+    not reduced (divided by the number of ranks with
+    ``scale_local_gradients``). Not supported (NotImplementedError): process
+    sets, TF1 ``tf.compat.v1`` optimizers.
     """
-    _check_training_args("DistributedOptimizer", backward_passes_per_step,
-                         gradient_predivide_factor, op, num_groups, groups, process_set)
+    return _distributed_optimizer(optimizer, compression, sparse_as_dense,
+                                  backward_passes_per_step, op, gradient_predivide_factor,
+                                  average_aggregated_gradients, num_groups, groups, process_set,
+                                  scale_local_gradients, None, "DistributedOptimizer")
+
+
+def PartialDistributedOptimizer(optimizer: Any, name: str | None = None,
+                                use_locking: bool = False, device_dense: str = "",
+                                device_sparse: str = "",
+                                compression: type[Compressor] = Compression.none,
+                                sparse_as_dense: bool = False,
+                                backward_passes_per_step: int = 1, op: int = Average,
+                                gradient_predivide_factor: float = 1.0,
+                                average_aggregated_gradients: bool = False,
+                                num_groups: int = 0, groups: Any = None,
+                                process_set: Any = None, local_layers: Any = None,
+                                scale_local_gradients: bool = True) -> Any:
+    """``DistributedOptimizer`` whose ``local_layers``' gradients are not reduced.
+
+    Those layers' trainable weights are updated from this rank's gradients
+    only (divided by the number of ranks with ``scale_local_gradients``, as
+    Horovod does), so they may differ between ranks; every other weight gets
+    the reduced gradients.
+    """
+    return _distributed_optimizer(optimizer, compression, sparse_as_dense,
+                                  backward_passes_per_step, op, gradient_predivide_factor,
+                                  average_aggregated_gradients, num_groups, groups, process_set,
+                                  scale_local_gradients, _local_layers(local_layers),
+                                  "PartialDistributedOptimizer")
+
+
+def _distributed_optimizer(optimizer, compression, sparse_as_dense, backward_passes_per_step,
+                           op, gradient_predivide_factor, average_aggregated_gradients,
+                           num_groups, groups, process_set, scale_local_gradients, local_layers,
+                           what):
+    from matex.compression import _spec
+    from matex.horovod._training import HorovodReduction
+
+    _check_training_args(what, backward_passes_per_step, gradient_predivide_factor, op,
+                         num_groups, groups, process_set)
     if isinstance(optimizer, tf.compat.v1.train.Optimizer):
-        raise NotImplementedError("DistributedOptimizer: TF1 tf.compat.v1.train optimizers "
-                                  "are not supported by matex; use a Keras optimizer")
-    return matex.DistributedOptimizer(optimizer, op=_training_op(op, "DistributedOptimizer"),
-                                      compression=_compression_spec(compression))
+        raise NotImplementedError("%s: TF1 tf.compat.v1.train optimizers are not supported by "
+                                  "matex; use a Keras optimizer" % what)
+    spec = _compression_spec(compression)
+    optimizer = matex.DistributedOptimizer(optimizer, op=_training_op(op, what),
+                                           compression=spec)
+    state = optimizer._matex
+    if state.strategy is not None and not isinstance(state.strategy, HorovodReduction):
+        raise ValueError("%s: this optimizer already synchronises through %r"
+                         % (what, state.strategy))
+    reduction = HorovodReduction(
+        state.op, _spec.from_spec(spec), sparse_as_dense, backward_passes_per_step,
+        average_aggregated_gradients, local_layers or (), scale_local_gradients,
+        state.threshold)
+    state.strategy = reduction
+    object.__setattr__(optimizer, "register_local_var", reduction.register_local_var)
+    return optimizer
+
+
+def _distributed_tape(gradtape, compression, sparse_as_dense, op, gradient_predivide_factor,
+                      num_groups, groups, process_set, scale_local_gradients, local_layers, what):
+    from matex.compression import _spec
+    from matex.horovod._training import HorovodReduction, horovod_tape
+
+    _check_training_args(what, 1, gradient_predivide_factor, op, num_groups, groups,
+                         process_set)
+    reduction = HorovodReduction(_training_op(op, what),
+                                 _spec.from_spec(_compression_spec(compression)),
+                                 sparse_as_dense, local_layers=local_layers,
+                                 scale_local_gradients=scale_local_gradients)
+    return horovod_tape(gradtape, reduction)
 
 
 def DistributedGradientTape(gradtape: tf.GradientTape, device_dense: str = "",
@@ -532,15 +616,30 @@ def DistributedGradientTape(gradtape: tf.GradientTape, device_dense: str = "",
                             gradient_predivide_factor: float = 1.0, num_groups: int = 0,
                             groups: Any = None, process_set: Any = None,
                             scale_local_gradients: bool = True) -> tf.GradientTape:
-    """``gradtape`` with gradients averaged (or summed) over ranks (``matex``'s tape).
+    """``gradtape`` with gradients averaged (or summed) over ranks.
 
-    Same options as ``DistributedOptimizer``.
+    Options as ``DistributedOptimizer`` (Horovod's tape has no
+    ``backward_passes_per_step``). The tape gains Horovod's
+    ``register_local_source(var)`` and ``get_local_and_global_gradients``.
     """
-    _check_training_args("DistributedGradientTape", 1, gradient_predivide_factor, op,
-                         num_groups, groups, process_set)
-    return matex.DistributedGradientTape(gradtape,
-                                         op=_training_op(op, "DistributedGradientTape"),
-                                         compression=_compression_spec(compression))
+    return _distributed_tape(gradtape, compression, sparse_as_dense, op,
+                             gradient_predivide_factor, num_groups, groups, process_set,
+                             scale_local_gradients, (), "DistributedGradientTape")
+
+
+def PartialDistributedGradientTape(gradtape: tf.GradientTape, device_dense: str = "",
+                                   device_sparse: str = "",
+                                   compression: type[Compressor] = Compression.none,
+                                   sparse_as_dense: bool = False, op: int = Average,
+                                   gradient_predivide_factor: float = 1.0, num_groups: int = 0,
+                                   groups: Any = None, process_set: Any = None,
+                                   local_layers: Any = None,
+                                   scale_local_gradients: bool = True) -> tf.GradientTape:
+    """``DistributedGradientTape`` whose ``local_layers``' gradients are not reduced."""
+    return _distributed_tape(gradtape, compression, sparse_as_dense, op,
+                             gradient_predivide_factor, num_groups, groups, process_set,
+                             scale_local_gradients, _local_layers(local_layers),
+                             "PartialDistributedGradientTape")
 
 
 # ---- collectives MaTEx gained for Horovod (present when this MaTEx has them) --------

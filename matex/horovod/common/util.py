@@ -11,9 +11,14 @@ def is_version_greater_equal_than(ver: str, target: str) -> bool:
 
 
 def gpu_available(ext_base_name: str, verbose: bool = False) -> bool:
-    """Whether TensorFlow sees a GPU (``ext_base_name`` must be "tensorflow")."""
+    """Whether Horovod's ``ext_base_name`` extension runs with a GPU.
+
+    "tensorflow": whether TensorFlow sees a GPU (MaTEx's collectives still
+    run on host memory). Any other framework ("torch", "mxnet"): False, as
+    Horovod answers for an extension that is not there.
+    """
     if ext_base_name != "tensorflow":
-        raise ValueError("MaTEx supports only tensorflow, not %r" % ext_base_name)
+        return False
     import tensorflow as tf
 
     return bool(tf.config.list_physical_devices("GPU"))

@@ -1,6 +1,8 @@
 """``horovod.keras`` on MaTEx: the same API as ``matex.horovod.tensorflow.keras`` (Keras 3)."""
 
-from matex.horovod.tensorflow.keras import (DistributedOptimizer, Adasum, Average, Compression,
+from matex.horovod.tensorflow.keras import (DistributedOptimizer,
+                                            PartialDistributedOptimizer, Adasum, Average,
+                                            Compression,
                                             Max, Min, Product, Sum, allgather, allreduce,
                                             broadcast, broadcast_global_variables, ccl_built,
                                             cross_rank, cross_size, cuda_built, ddl_built,
@@ -15,7 +17,8 @@ __all__ = [
     "cross_rank", "cross_size", "is_homogeneous", "mpi_threads_supported", "mpi_enabled",
     "mpi_built", "gloo_enabled", "gloo_built", "nccl_built", "ddl_built", "ccl_built",
     "cuda_built", "rocm_built", "Average", "Sum", "Adasum", "Min", "Max", "Product",
-    "Compression", "DistributedOptimizer", "allreduce", "allgather", "broadcast",
+    "Compression", "DistributedOptimizer", "PartialDistributedOptimizer", "allreduce",
+    "allgather", "broadcast",
     "broadcast_global_variables", "load_model", "callbacks",
 ]
 

@@ -10,7 +10,9 @@ Reduce ops (Horovod's integers): ``Average``, ``Sum``, ``Adasum``, ``Min``,
 """
 
 from matex.horovod import _api
-from matex.horovod._api import (DistributedGradientTape, DistributedOptimizer, Adasum,
+from matex.horovod._api import (DistributedGradientTape, DistributedOptimizer,
+                                PartialDistributedGradientTape, PartialDistributedOptimizer,
+                                Adasum,
                                 Average, Max, Min, Product, Sum, allgather, allreduce,
                                 broadcast, broadcast_, broadcast_global_variables,
                                 broadcast_variables, ccl_built, cross_rank, cross_size,
@@ -22,6 +24,7 @@ from matex.horovod._api import (DistributedGradientTape, DistributedOptimizer, A
                                 shutdown, size, size_op)
 from matex.horovod._api import _executing_eagerly  # noqa: F401 - Horovod's tests use hvd._executing_eagerly
 from matex.horovod._compression import Compression
+from matex.horovod.common.util import gpu_available
 from matex.horovod.tensorflow import util
 from matex.horovod._api import (ProcessSet, add_process_set, global_process_set,  # process sets
                                 process_set_included_op, remove_process_set)
@@ -34,7 +37,8 @@ __all__ = [
     "Average", "Sum", "Adasum", "Min", "Max", "Product", "handle_average_backwards_compatibility",
     "allreduce", "grouped_allreduce", "allgather", "broadcast", "broadcast_",
     "broadcast_variables", "broadcast_global_variables", "Compression",
-    "DistributedOptimizer", "DistributedGradientTape", "util",
+    "DistributedOptimizer", "DistributedGradientTape", "PartialDistributedOptimizer",
+    "PartialDistributedGradientTape", "gpu_available", "util",
 ]
 # the collectives MaTEx added for Horovod, where this MaTEx has them
 __all__ += _api.OPTIONAL

@@ -13,7 +13,8 @@ from typing import Any
 import tensorflow as tf
 
 from matex.horovod import _api
-from matex.horovod._api import (DistributedOptimizer, Adasum, Average, Max, Min, Product, Sum,
+from matex.horovod._api import (DistributedOptimizer, PartialDistributedOptimizer, Adasum,
+                                Average, Max, Min, Product, Sum,
                                 broadcast_global_variables, ccl_built, cross_rank, cross_size,
                                 cuda_built, ddl_built, gloo_built, gloo_enabled, init,
                                 is_homogeneous, is_initialized, local_rank, local_size,
@@ -29,7 +30,8 @@ __all__ = [
     "cross_rank", "cross_size", "is_homogeneous", "mpi_threads_supported", "mpi_enabled",
     "mpi_built", "gloo_enabled", "gloo_built", "nccl_built", "ddl_built", "ccl_built",
     "cuda_built", "rocm_built", "Average", "Sum", "Adasum", "Min", "Max", "Product",
-    "Compression", "DistributedOptimizer", "allreduce", "allgather", "broadcast",
+    "Compression", "DistributedOptimizer", "PartialDistributedOptimizer", "allreduce",
+    "allgather", "broadcast",
     "broadcast_global_variables", "load_model", "callbacks",
 ]
 

@@ -1,0 +1,230 @@
+"""Horovod's training options on MaTEx's optimizer and tape.
+
+``backward_passes_per_step`` (local gradient accumulation), ``sparse_as_dense``
+and local (not reduced) variables, as Horovod's ``DistributedOptimizer``,
+``DistributedGradientTape`` and their ``Partial`` variants have them.
+
+Horovod's semantics, followed here:
+
+* accumulation (``backward_passes_per_step=N``): each call adds this rank's
+  gradients to local accumulators; the N-th call allreduces the sums once,
+  divides them by N when ``average_aggregated_gradients``, applies them and
+  zeroes the accumulators. The other calls apply nothing and only advance
+  ``optimizer.iterations`` (so ``iterations`` counts every call, as in
+  Horovod). ``IndexedSlices`` gradients need ``sparse_as_dense=True`` then
+  (Horovod's ValueError otherwise).
+* local variables (``register_local_var``, ``local_layers=``): their gradients
+  are not reduced; with ``scale_local_gradients`` (the default) they are
+  divided by the number of ranks, as Horovod does (horovod pull 3695).
+* ``sparse_as_dense``: ``IndexedSlices`` gradients are made dense before the
+  reduction (one dense allreduce instead of MaTEx's sparse allreduce).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import tensorflow as tf
+
+from matex import _collectives, _commit, _compat
+from matex.compression import _reduce
+
+
+def _cond(pred, true_fn, false_fn):
+    """tf.cond in a graph, a plain ``if`` eagerly."""
+    if tf.executing_eagerly():
+        return true_fn() if bool(pred) else false_fn()
+    return tf.cond(pred, true_fn, false_fn)
+
+
+def _divide(grad, divisor):
+    if grad is None:
+        return None
+    if isinstance(grad, tf.IndexedSlices):
+        return tf.IndexedSlices(grad.values / tf.cast(divisor, grad.values.dtype), grad.indices,
+                                grad.dense_shape)
+    return grad / tf.cast(divisor, grad.dtype)
+
+
+class HorovodReduction:
+    """How one optimizer or tape reduces its gradients (Horovod's options, see module doc)."""
+
+    def __init__(self, op: str = "average", compressor: Any = None,
+                 sparse_as_dense: bool = False, backward_passes_per_step: int = 1,
+                 average_aggregated_gradients: bool = False, local_layers: Any = (),
+                 scale_local_gradients: bool = True, threshold: int | None = None) -> None:
+        if (isinstance(backward_passes_per_step, bool)
+                or not isinstance(backward_passes_per_step, int)
+                or backward_passes_per_step <= 0):
+            raise ValueError("backward_passes_per_step must be > 0")
+        self.op = op
+        self.compressor = compressor
+        self.sparse_as_dense = bool(sparse_as_dense)
+        self.passes = backward_passes_per_step
+        self.average_aggregated = bool(average_aggregated_gradients)
+        self.local_layers = list(local_layers)
+        self.local_vars: list = []
+        self.scale_local = bool(scale_local_gradients)
+        self.threshold = threshold
+        self.accumulators: dict[int, tf.Variable] = {}
+        self.counter: tf.Variable | None = None
+
+    # ---- local variables ----------------------------------------------------
+
+    def register_local_var(self, var: Any) -> None:
+        """Keep ``var``'s gradient on this rank (not reduced)."""
+        if not any(var is v for v in self.local_vars):
+            self.local_vars.append(var)
+
+    def _local_ids(self) -> set[int]:
+        ids = {id(v) for v in self.local_vars}
+        for layer in self.local_layers:   # read now: a layer may be built after wrapping
+            ids.update(id(v) for v in layer.trainable_weights)
+        return ids
+
+    def is_local(self, var: Any) -> bool:
+        """Whether ``var``'s gradient stays on this rank."""
+        return id(var) in self._local_ids()
+
+    # ---- the reduction --------------------------------------------------------
+
+    def reduce(self, grads: list, variables: list | None) -> list:
+        """``grads`` reduced over ranks, local variables' gradients kept (scaled)."""
+        grads = list(grads)
+        if self.sparse_as_dense or self.op == "adasum":
+            grads = [tf.convert_to_tensor(g) if isinstance(g, tf.IndexedSlices) else g
+                     for g in grads]
+        local = self._local_ids() if variables is not None else set()
+        variables = list(variables) if variables is not None else None
+        shared = [i for i in range(len(grads))
+                  if variables is None or id(variables[i]) not in local]
+        reduced = _reduce.reduce_gradients(
+            [grads[i] for i in shared],
+            [variables[i] for i in shared] if variables is not None else None,
+            self.compressor, self.op, self.threshold)
+        out = list(grads)
+        for i, g in zip(shared, reduced):
+            out[i] = g
+        if self.scale_local and len(shared) < len(grads):
+            size = _collectives.comm_info()[1]
+            for i in range(len(grads)):
+                if id(variables[i]) in local:
+                    out[i] = _divide(out[i], size)
+        return out
+
+    # ---- the optimizer's step (matex._optimizer's strategy interface) ---------
+
+    def apply(self, optimizer: Any, grads: list, variables: list | None, inner_apply: Any,
+              op: str, rows: Any) -> Any:
+        """Reduce (every N-th call) and apply; the other calls accumulate and count."""
+        if variables is None:
+            variables = list(_compat.optimizer_trainable_variables(optimizer))
+        if self.passes == 1:
+            reduced = self.reduce(grads, variables)
+            return _commit.commit(lambda: inner_apply(reduced, variables), after=reduced)
+        summed = self.accumulate(grads, variables)
+
+        def reduce_and_apply():
+            reduced = self.finish(summed, variables)
+            inner_apply(reduced, variables)
+            self.clear()
+            return tf.constant(True)
+
+        def count_only():
+            optimizer.iterations.assign_add(1)
+            return tf.constant(False)
+
+        return _commit.commit(lambda: _cond(self.due(), reduce_and_apply, count_only),
+                              after=[g for g in summed if g is not None])
+
+    # ---- accumulation --------------------------------------------------------
+
+    def accumulate(self, grads: list, variables: list | None) -> list:
+        """Add ``grads`` to the accumulators and count the call; returns the sums so far."""
+        out = []
+        with tf.init_scope():
+            if self.counter is None:
+                self.counter = tf.Variable(0, dtype=tf.int64, trainable=False,
+                                           name="matex_backward_passes")
+        for i, g in enumerate(grads):
+            if g is None:
+                out.append(None)
+                continue
+            if isinstance(g, tf.IndexedSlices):
+                if not self.sparse_as_dense:
+                    raise ValueError("IndexedSlices are not supported when "
+                                     "`backward_passes_per_step` > 1 and `sparse_as_dense` is "
+                                     "False.")
+                g = tf.convert_to_tensor(g)
+            if i not in self.accumulators:
+                shape = (variables[i].shape if variables is not None else g.shape)
+                with tf.init_scope():
+                    self.accumulators[i] = tf.Variable(tf.zeros(shape, g.dtype),
+                                                       trainable=False,
+                                                       name="matex_accumulated_gradient")
+            out.append(self.accumulators[i].assign_add(g))
+        with tf.control_dependencies([t for t in out if t is not None]):
+            self.counter.assign_add(1)
+        return out
+
+    def due(self) -> tf.Tensor:
+        """Whether this call is the N-th (the counter is read after this call's increment)."""
+        return tf.equal(self.counter.read_value(), self.passes)
+
+    def finish(self, summed: list, variables: list | None) -> list:
+        """The accumulated gradients reduced over ranks (divided by N if asked)."""
+        reads = [self.accumulators[i].read_value() if g is not None else None
+                 for i, g in enumerate(summed)]
+        reduced = self.reduce(reads, variables)
+        if self.average_aggregated:
+            reduced = [_divide(g, self.passes) for g in reduced]
+        return reduced
+
+    def clear(self) -> None:
+        """Zero the accumulators and the counter (after the N-th call)."""
+        for acc in self.accumulators.values():
+            acc.assign(tf.zeros_like(acc))
+        self.counter.assign(0)
+
+
+class _HorovodTapeMixin:
+    """``gradient`` reduces through the tape's ``HorovodReduction``."""
+
+    _hvd: HorovodReduction
+
+    def gradient(self, target, sources, output_gradients=None,
+                 unconnected_gradients=tf.UnconnectedGradients.NONE, use_generic_names=False):
+        grads = super().gradient(target, sources, output_gradients=output_gradients,
+                                 unconnected_gradients=unconnected_gradients)
+        flat = tf.nest.flatten(grads, expand_composites=False)
+        variables = tf.nest.flatten(sources, expand_composites=False)
+        reduced = self._hvd.reduce(flat, variables if len(variables) == len(flat) else None)
+        return tf.nest.pack_sequence_as(grads, reduced)
+
+    def register_local_source(self, source: Any) -> None:
+        """Keep ``source``'s gradient on this rank (Horovod's name on the tape)."""
+        self._hvd.register_local_var(source)
+
+    def get_local_and_global_gradients(self, target, sources, output_gradients=None,
+                                       use_generic_names=False):
+        """``([(local source, gradient)], [(shared source, reduced gradient)])``."""
+        grads = self.gradient(target, sources, output_gradients=output_gradients)
+        pairs = list(zip(sources, grads))
+        return ([p for p in pairs if self._hvd.is_local(p[0])],
+                [p for p in pairs if not self._hvd.is_local(p[0])])
+
+
+_tape_classes: dict[type, type] = {}
+
+
+def horovod_tape(tape: tf.GradientTape, reduction: HorovodReduction) -> tf.GradientTape:
+    """``tape`` (converted in place) whose ``gradient`` reduces as ``reduction`` says."""
+    if not isinstance(tape, tf.GradientTape):
+        raise TypeError("DistributedGradientTape needs a tf.GradientTape, got %r" % (tape,))
+    cls = type(tape)
+    if not issubclass(cls, _HorovodTapeMixin):
+        if cls not in _tape_classes:
+            _tape_classes[cls] = type(cls.__name__, (_HorovodTapeMixin, cls), {})
+        tape.__class__ = _tape_classes[cls]
+    tape._hvd = reduction
+    return tape

@@ -1,0 +1,260 @@
+"""Horovod's training API on MaTEx (#25 item 4), under mpiexec: every rank count.
+
+Gradient accumulation (``backward_passes_per_step``), ``sparse_as_dense``,
+integer ``IndexedSlices`` averages, the ``Partial`` optimizer and tape,
+``SyncBatchNormalization`` and ``join``: each against NumPy on the whole
+job's data.
+"""
+
+import keras
+import numpy as np
+import pytest
+import tensorflow as tf
+
+import matex
+import matex.horovod.tensorflow as hvd
+import matex.horovod.tensorflow.keras as hvd_keras
+from matex import _stats
+from helpers import all_equal_bytes, gather
+
+R, N = matex.rank(), matex.size()
+LR = 0.1
+
+
+def _data(calls, rows=4, features=3, seed=5):
+    """x[r, k], y[r, k]: rank r's batch at call k (the same arrays on every rank)."""
+    rng = np.random.default_rng(seed)
+    x = rng.normal(size=(N, calls, rows, features)).astype("float32")
+    y = rng.normal(size=(N, calls, rows, 1)).astype("float32")
+    return x, y
+
+
+def _linear(features=3):
+    model = keras.Sequential([keras.Input((features,)), keras.layers.Dense(1)])
+    model.set_weights([np.linspace(-0.5, 0.5, features, dtype="float32").reshape(features, 1),
+                       np.array([0.1], "float32")])
+    return model
+
+
+def _mse_grads(w, b, x, y):
+    """d mean((xw + b - y)^2) / d(w, b), float64."""
+    err = x.astype(np.float64) @ w + b - y
+    return 2 * x.T @ err / len(x), 2 * err.sum(0) / len(x)
+
+
+def _accumulated_reference(x, y, passes, average_aggregated, calls):
+    """Weights after ``calls`` calls: every ``passes`` calls, SGD on the accumulated average."""
+    w = np.linspace(-0.5, 0.5, x.shape[-1]).reshape(-1, 1)
+    b = np.array([0.1])
+    for start in range(0, calls, passes):
+        gw, gb = 0, 0
+        for k in range(start, start + passes):
+            for r in range(N):
+                dw, db = _mse_grads(w, b, x[r, k], y[r, k])
+                gw, gb = gw + dw / N, gb + db / N
+        if average_aggregated:
+            gw, gb = gw / passes, gb / passes
+        w, b = w - LR * gw, b - LR * gb
+    return w, b
+
+
+@pytest.mark.parametrize("average_aggregated", [True, False])
+def test_backward_passes_per_step_in_a_loop(average_aggregated):
+    """N=2: the optimizer applies every 2nd call the average over ranks of the 2 calls'
+    summed (or averaged) gradients, with one reduction per 2 calls; iterations counts
+    every call, as Horovod's."""
+    calls, passes = 4, 2
+    x, y = _data(calls)
+    model = _linear()
+    opt = hvd_keras.DistributedOptimizer(keras.optimizers.SGD(LR),
+                                         backward_passes_per_step=passes,
+                                         average_aggregated_gradients=average_aggregated)
+    _stats.reset()
+    before = [w.copy() for w in model.get_weights()]
+    for k in range(calls):
+        with tf.GradientTape() as tape:
+            loss = tf.reduce_mean(tf.square(model(x[R, k]) - y[R, k]))
+        grads = tape.gradient(loss, model.trainable_variables)
+        opt.apply_gradients(zip(grads, model.trainable_variables))
+        if k == 0:   # accumulated only: nothing applied yet
+            for a, b in zip(model.get_weights(), before):
+                np.testing.assert_array_equal(a, b)
+        assert int(opt.iterations.numpy()) == k + 1
+    w, b = _accumulated_reference(x, y, passes, average_aggregated, calls)
+    np.testing.assert_allclose(model.get_weights()[0], w, rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(model.get_weights()[1], b, rtol=1e-5, atol=1e-6)
+    assert all_equal_bytes(model.get_weights())
+    assert _stats.stats()["steps"] == calls // passes   # one reduction per 2 calls
+
+
+def test_backward_passes_per_step_in_fit():
+    """The same in fit (a traced step: the reduction sits in a tf.cond)."""
+    calls, passes = 4, 2
+    x, y = _data(calls)
+    model = _linear()
+    model.compile(optimizer=hvd_keras.DistributedOptimizer(
+        keras.optimizers.SGD(LR), backward_passes_per_step=passes,
+        average_aggregated_gradients=True), loss="mse")
+    _stats.reset()
+    model.fit(x[R].reshape(-1, 3), y[R].reshape(-1, 1), batch_size=4, epochs=1,
+              shuffle=False, verbose=0)
+    w, b = _accumulated_reference(x, y, passes, True, calls)
+    np.testing.assert_allclose(model.get_weights()[0], w, rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(model.get_weights()[1], b, rtol=1e-5, atol=1e-6)
+    assert all_equal_bytes(model.get_weights())
+    assert int(model.optimizer.iterations.numpy()) == calls
+    assert _stats.stats()["steps"] == calls // passes
+
+
+def test_backward_passes_per_step_argument_checks():
+    with pytest.raises(ValueError, match="backward_passes_per_step must be > 0"):
+        hvd_keras.DistributedOptimizer(keras.optimizers.SGD(LR), backward_passes_per_step=0)
+    # IndexedSlices need sparse_as_dense when accumulating (Horovod's error)
+    emb = keras.Sequential([keras.Input((2,), dtype="int32"), keras.layers.Embedding(6, 2)])
+    opt = hvd_keras.DistributedOptimizer(keras.optimizers.SGD(LR), backward_passes_per_step=2)
+    with tf.GradientTape() as tape:
+        loss = tf.reduce_sum(emb(tf.constant([[1, 2]])))
+    grads = tape.gradient(loss, emb.trainable_variables)
+    assert isinstance(grads[0], tf.IndexedSlices)
+    with pytest.raises(ValueError, match="sparse_as_dense"):
+        opt.apply_gradients(zip(grads, emb.trainable_variables))
+
+
+def _embedding_model():
+    model = keras.Sequential([keras.Input((3,), dtype="int32"), keras.layers.Embedding(7, 2)])
+    model.set_weights([np.arange(14, dtype="float32").reshape(7, 2) / 10])
+    return model
+
+
+def _embedding_grad(ids, scale):
+    """d sum(emb(ids) * scale) / d table, dense, float64."""
+    g = np.zeros((7, 2))
+    for i in ids.ravel():
+        g[i] += scale
+    return g
+
+
+def test_sparse_as_dense_tape_reduces_a_dense_gradient():
+    """sparse_as_dense: the embedding's IndexedSlices gradient is made dense, then averaged:
+    a tf.Tensor equal to NumPy's average of every rank's dense gradient."""
+    model = _embedding_model()
+    ids = [np.array([[r % 7, (2 * r + 1) % 7, 3]]) for r in range(N)]
+    kinds = []
+
+    @tf.function
+    def step():   # traced: MaTEx's sparse allreduce would give IndexedSlices here
+        with tf.GradientTape() as tape:
+            loss = tf.reduce_sum(model(tf.constant(ids[R])) * float(R + 1))
+        tape = hvd.DistributedGradientTape(tape, sparse_as_dense=True)
+        grad, = tape.gradient(loss, model.trainable_variables)
+        kinds.append(isinstance(grad, tf.IndexedSlices))
+        return tf.convert_to_tensor(grad)
+
+    grad = step()
+    assert kinds and not any(kinds)   # dense before the reduction
+    expected = sum(_embedding_grad(ids[r], r + 1) for r in range(N)) / N
+    np.testing.assert_allclose(grad.numpy(), expected, rtol=1e-6)
+    # and accumulated through the optimizer (sparse_as_dense allows IndexedSlices there)
+    opt = hvd_keras.DistributedOptimizer(keras.optimizers.SGD(LR), sparse_as_dense=True,
+                                         backward_passes_per_step=2)
+    for _ in range(2):
+        with tf.GradientTape() as tape:
+            loss = tf.reduce_sum(model(tf.constant(ids[R])) * float(R + 1))
+        grads = tape.gradient(loss, model.trainable_variables)
+        opt.apply_gradients(zip(grads, model.trainable_variables))
+    start = np.arange(14).reshape(7, 2) / 10
+    np.testing.assert_allclose(model.get_weights()[0], start - LR * 2 * expected, rtol=1e-6,
+                               atol=1e-7)
+    assert all_equal_bytes(model.get_weights())
+
+
+@pytest.mark.parametrize("dtype", [tf.int32, tf.int64, tf.uint8, tf.float32])
+def test_indexed_slices_average_follows_horovod(dtype):
+    """hvd.allreduce of IndexedSlices, Average: every rank's (values, indices) allgathered,
+    the values divided by the ranks as TensorFlow's true division does (integers become
+    floats: 3 / 2 = 1.5, not 1)."""
+    values = tf.cast(tf.constant([[R + 1, 2 * R + 3]]), dtype)
+    result = hvd.allreduce(tf.IndexedSlices(values, tf.constant([R])), op=hvd.Average)
+    expected = np.array([[r + 1, 2 * r + 3] for r in range(N)], np.float64) / N
+    assert result.values.dtype == (values / 1).dtype
+    np.testing.assert_allclose(result.values.numpy(), expected, rtol=1e-6)
+    assert result.indices.numpy().tolist() == list(range(N))
+    summed = hvd.allreduce(tf.IndexedSlices(values, tf.constant([R])), op=hvd.Sum)
+    assert summed.values.dtype == dtype
+
+
+def _two_layers(seed=3):
+    keras.utils.set_random_seed(seed)
+    shared = keras.layers.Dense(3, name="shared")
+    local = keras.layers.Dense(1, name="local")
+    model = keras.Sequential([keras.Input((2,)), shared, local])
+    return model, shared, local
+
+
+def test_partial_tape_keeps_the_local_layers_gradients():
+    """PartialDistributedGradientTape(local_layers=[local]): the shared layer's gradients are
+    the average over ranks, the local layer's are this rank's own divided by the ranks
+    (Horovod's scale_local_gradients); after training the local weights differ across
+    ranks and the shared ones do not."""
+    model, shared, local = _two_layers()
+    rng = np.random.default_rng(11)
+    x = rng.normal(size=(N, 5, 2)).astype("float32")
+    y = rng.normal(size=(N, 5, 1)).astype("float32")
+
+    def loss_fn(r):
+        return tf.reduce_mean(tf.square(model(x[r]) - y[r]))
+
+    own = []
+    for r in range(N):   # every rank's plain gradients (the weights are equal on every rank)
+        with tf.GradientTape() as tape:
+            loss = loss_fn(r)
+        own.append([g.numpy() for g in tape.gradient(loss, model.trainable_variables)])
+    with tf.GradientTape() as tape:
+        loss = loss_fn(R)
+    tape = hvd.PartialDistributedGradientTape(tape, local_layers=[local])
+    grads = tape.gradient(loss, model.trainable_variables)
+    for i, (v, g) in enumerate(zip(model.trainable_variables, grads)):
+        if any(v is w for w in local.trainable_weights):
+            np.testing.assert_allclose(g.numpy(), own[R][i] / N, rtol=1e-6)
+        else:
+            np.testing.assert_allclose(g.numpy(), sum(o[i] for o in own) / N, rtol=1e-5,
+                                       atol=1e-7)
+    for _ in range(3):
+        with tf.GradientTape() as tape:
+            loss = loss_fn(R)
+        tape = hvd.PartialDistributedGradientTape(tape, local_layers=local)
+        local_pairs, global_pairs = tape.get_local_and_global_gradients(
+            loss, model.trainable_variables)
+        assert len(local_pairs) == 2 and len(global_pairs) == 2
+        for v, g in local_pairs + global_pairs:
+            v.assign_sub(LR * g)
+    assert all_equal_bytes(shared.get_weights())
+    if N > 1:
+        kernels = gather(local.get_weights()[0].tobytes())
+        assert len(set(kernels)) == N
+
+
+def test_partial_optimizer_in_fit():
+    """PartialDistributedOptimizer in fit: the first step's update of the shared layer is the
+    average over ranks, the local layer's this rank's gradient over the ranks; shared
+    weights stay bitwise equal, local ones differ."""
+    model, shared, local = _two_layers(seed=4)
+    rng = np.random.default_rng(12)
+    x = rng.normal(size=(N, 4, 2)).astype("float32")
+    y = rng.normal(size=(N, 4, 1)).astype("float32")
+    start = [v.numpy() for v in model.trainable_variables]
+    own = []
+    for r in range(N):
+        with tf.GradientTape() as tape:
+            loss = tf.reduce_mean(tf.square(model(x[r]) - y[r]))
+        own.append([g.numpy() for g in tape.gradient(loss, model.trainable_variables)])
+    model.compile(optimizer=hvd_keras.PartialDistributedOptimizer(
+        keras.optimizers.SGD(LR), local_layers=[local]), loss="mse")
+    model.fit(x[R], y[R], batch_size=4, epochs=1, shuffle=False, verbose=0)
+    for i, v in enumerate(model.trainable_variables):
+        is_local = any(v is w for w in local.trainable_weights)
+        g = own[R][i] / N if is_local else sum(o[i] for o in own) / N
+        np.testing.assert_allclose(v.numpy(), start[i] - LR * g, rtol=1e-5, atol=1e-7)
+    assert all_equal_bytes(shared.get_weights())
+    if N > 1:
+        assert len(set(gather(local.get_weights()[0].tobytes()))) == N
