@@ -4,6 +4,8 @@
   (tests/scripts/elastic_loop.py, written for Horovod): the survivors restore
   to the last commit, synchronise, and run ``train`` again; every committed
   step counted once, every sample trained on once per epoch, replicas equal.
+  Then ``fit`` with ``KerasState`` and the elastic callbacks loses a rank in
+  its third epoch and ends with exactly its steps.
 * A whole host lost with its Open MPI daemon (which ULFM cannot survive,
   open-mpi/ompi #13215), on network-namespace hosts: ``matexrun --ft --elastic
   --host-discovery-script`` restarts the job on the host that is left, from
@@ -20,7 +22,7 @@ import sys
 import time
 from pathlib import Path
 
-import pytest
+from test_cluster import nscluster, two_hosts  # noqa: F401 - the namespace hosts fixture
 
 ROOT = Path(__file__).resolve().parent.parent
 SCRIPTS = ROOT / "tests" / "scripts"
@@ -44,11 +46,13 @@ PER_EPOCH, EPOCHS = 4, 2
 
 
 def test_survivors_restore_the_last_commit_and_run_again(tmp_path):
-    """3 ranks, rank 1 killed inside step 5 (before its gradient allreduce)."""
+    """3 ranks: rank 1 killed inside step 5 of the custom loop (before its gradient
+    allreduce); then, in the fit phase, rank 2 killed inside step 9 (epoch 3)."""
     out = tmp_path / "r"
     proc = subprocess.run([MATEXRUN, "--ft", "--horovod", "-n", "3", "--inject-fault",
-                           "rank=1,step=5,kind=kill", str(SCRIPTS / "elastic_loop.py"),
-                           str(out), str(PER_EPOCH), str(EPOCHS)],
+                           "rank=1,step=5,kind=kill; rank=2,step=9,kind=kill",
+                           str(SCRIPTS / "elastic_loop.py"), str(out), str(PER_EPOCH),
+                           str(EPOCHS), "fit"],
                           capture_output=True, text=True, timeout=300, env=_env(),
                           cwd=tmp_path)
     err = proc.stderr[-4000:]
@@ -64,3 +68,148 @@ def test_survivors_restore_the_last_commit_and_run_again(tmp_path):
         assert rep["seen"] == [float(EPOCHS)] * (PER_EPOCH * 12), "a sample lost or repeated"
         # steps 0-4 committed on 3 ranks; step 5 redone by the 2 survivors
         assert rep["sizes"] == [3] * 5 + [2] * (steps - 5), rep["sizes"]
+    # fit with KerasState and the elastic callbacks, committing at epoch ends: rank 0
+    # restored the commit of epoch 2 and fit the last epoch alone (4 steps, not 5+)
+    fit = _reports(str(out) + ".fit")
+    assert sorted(fit) == [0], err
+    assert fit[0]["launches"] == [[0, 2], [2, 1]], fit[0]
+    assert (fit[0]["epoch"], fit[0]["batch"], fit[0]["iterations"]) == (3, 0, 3 * 4), fit[0]
+
+
+# ------------------------------------------------- a host lost with its Open MPI daemon
+
+HOST_STEPS = 40
+
+
+def _elastic_argv(discover, ckpt, out):
+    return [MATEXRUN, "-v", "--ft", "--elastic", "--ft-heartbeat", "1",
+            "--host-discovery-script", str(discover), "--checkpoint-dir", str(ckpt),
+            "--launch-agent", str(nscluster.AGENT_SH), "--tcp-if", "eth0",
+            "--mpi-arg=--mca", "--mpi-arg=btl", "--mpi-arg=tcp,self",
+            str(SCRIPTS / "elastic_hosts.py"), str(out), str(HOST_STEPS)]
+
+
+def test_a_lost_host_restarts_the_job_on_the_other_from_the_last_commit(two_hosts,  # noqa: F811
+                                                                        tmp_path):
+    """One rank on each of two namespace hosts; host 1's prted and rank are SIGKILLed at
+    step 8 or later. ULFM cannot go on (PRTE ends the job); matexrun asks the discovery
+    script, which lists host 0 only by then, and restarts there from the commit on disk."""
+    h0, h1 = two_hosts.hosts
+    listed = tmp_path / "hosts"
+    discover = tmp_path / "discover.sh"
+    discover.write_text("#!/bin/sh\ncat %s\n" % listed)
+    discover.chmod(0o755)
+    ckpt, out = tmp_path / "ckpt", tmp_path / "r"
+    progress = Path(str(out) + ".progress")
+    for attempt in (1, 2):
+        listed.write_text("%s:1\n%s:1\n" % (h0, h1))
+        progress.unlink(missing_ok=True)
+        proc = two_hosts.start(_elastic_argv(discover, ckpt, out))
+        deadline, at = time.time() + 90, 0
+        while at < 8 and time.time() < deadline and proc.poll() is None:
+            time.sleep(0.05)
+            try:
+                at = json.loads(progress.read_text())["step"]
+            except (OSError, ValueError):
+                pass
+        if at < 8:
+            stdout, stderr = two_hosts.abort(proc)
+            diag = "reached step %d of 8\n%s\n%s\n%s" % (at, stdout[-2000:], stderr[-4000:],
+                                                         two_hosts.diagnostics())
+            if attempt == 1:
+                print("launch failed, retrying once:\n" + diag, file=sys.stderr)
+                continue
+            raise AssertionError(diag)
+        listed.write_text("%s:1\n" % h0)   # host 1 is gone from now on
+        victims = two_hosts.processes(h1)
+        assert any("prted" in cmd for _, cmd in victims), victims
+        for pid, _ in victims:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except OSError:
+                pass   # gone already
+        proc = two_hosts.finish(proc, 120)
+        break
+    diag = "exit %d\n%s\n%s" % (proc.returncode, proc.stdout[-2000:], proc.stderr[-5000:])
+    assert proc.returncode == 0, diag
+    # the first launch died whole (PRTE ends it: ULFM cannot go on without the daemon)
+    assert "every rank failed (2 of 2)" in proc.stderr, diag
+    assert "hosts available now: %s:1" % h0 in proc.stderr, diag
+    assert "restarting from the last checkpoint in %s on 1 rank(s)" % ckpt in proc.stderr, diag
+    done = _reports(out)
+    assert sorted(done) == [0], diag
+    rep = done[0]
+    assert rep["hostname"] == h0 and rep["size"] == 1 and rep["returned"] == HOST_STEPS, rep
+    log, resumed = rep["log"], rep["started"]
+    # every step committed exactly once, in order, across the two launches
+    assert [entry[0] for entry in log] == list(range(HOST_STEPS)), log
+    # the restart began from the last commit, which is no earlier than the step seen at
+    # the kill: nothing committed was lost
+    assert at <= resumed < HOST_STEPS, (at, resumed)
+    assert all(entry[1:] == [2, 1] for entry in log[:resumed]), log     # both hosts
+    assert all(entry[1:] == [1, 0] for entry in log[resumed:]), log     # host 0 alone
+    assert not list(ckpt.glob("elastic-*")), "the commit file outlived the finished run"
+
+
+# ------------------------------------------------- matexrun --elastic's plan (no launch)
+
+
+def _dry(args, tmp_path, listing="a:2\nb\n# a comment\n\nc:3\n"):
+    discover = tmp_path / "discover.sh"
+    discover.write_text("#!/bin/sh\nprintf '%s'\n" % listing.replace("\n", "\\n"))
+    discover.chmod(0o755)
+    script = tmp_path / "train.py"
+    script.write_text("pass\n")
+    argv = [a.replace("DISCOVER", str(discover)) for a in args]
+    return subprocess.run([MATEXRUN, "--dry-run"] + argv + [str(script)], capture_output=True,
+                          text=True, timeout=120, env=_env(), cwd=tmp_path)
+
+
+def test_elastic_plan_takes_the_hosts_from_the_discovery_script(tmp_path):
+    proc = _dry(["--host-discovery-script", "DISCOVER"], tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    cmd = proc.stderr.strip().splitlines()[-1]
+    # horovodrun's flag alone means --elastic, which means --ft; a host without slots: 1
+    assert " -n 6 --host a:2,b:1,c:3 " in cmd and "--with-ft ulfm" in cmd, cmd
+    assert "-x MATEX_CHECKPOINT_DIR" in cmd, cmd
+    proc = _dry(["--host-discovery-script", "DISCOVER", "--slots", "4", "--max-np", "5"],
+                tmp_path)
+    assert " -n 5 --host a:2,b:4,c:3 " in proc.stderr, proc.stderr
+
+
+def test_elastic_options_are_checked_before_launching(tmp_path):
+    for args, message in [
+        (["--min-np", "2"], "--min-np goes with --elastic or --host-discovery-script"),
+        (["--elastic", "--restart", "2"], "do not combine it with --restart"),
+        (["--elastic", "--min-np", "3", "--max-np", "2"], "--min-np 3 is above --max-np 2"),
+        (["--host-discovery-script", "DISCOVER", "-H", "x:1"], "not both"),
+        (["--host-discovery-script", "DISCOVER", "--min-np", "7"],
+         "--min-np 7 is above the 6 rank(s) of the first launch"),
+    ]:
+        proc = _dry(args, tmp_path)
+        assert proc.returncode == 2 and message in proc.stderr, (args, proc.stderr)
+    proc = _dry(["--host-discovery-script", "DISCOVER"], tmp_path, listing="\n")
+    assert proc.returncode == 2 and "lists no host" in proc.stderr, proc.stderr
+    proc = _dry(["--host-discovery-script", "DISCOVER"], tmp_path, listing="a:x\n")
+    assert proc.returncode == 2 and "bad host 'a:x'" in proc.stderr, proc.stderr
+
+
+def test_restarts_follow_the_plan_until_it_says_stop():
+    from matex.launcher import supervise
+
+    launches, plans = [], iter([(["mpiexec", "-n", "3", "x"], 3), None])
+
+    def run(cmd, env, nranks):
+        launches.append((cmd, nranks, env["MATEX_INJECT_FAULT"]))
+        return 1
+
+    env = {"MATEX_CHECKPOINT_DIR": "/ckpt", "MATEX_INJECT_FAULT": "rank=1,step=2,kind=kill"}
+    code = supervise.run_with_restarts(["mpiexec", "-n", "4", "x"], 4, env, 5, run=run,
+                                       replan=lambda cmd, n: next(plans))
+    assert code == 1
+    assert launches == [(["mpiexec", "-n", "4", "x"], 4, "rank=1,step=2,kind=kill"),
+                        (["mpiexec", "-n", "3", "x"], 3, "")]   # faults fire once
+    # --restart's default plan: one rank fewer each time, down to one
+    launches.clear()
+    code = supervise.run_with_restarts(["mpiexec", "-n", "2", "x"], 2, dict(env), 5, run=run)
+    assert [n for _, n, _ in launches] == [2, 1]

@@ -18,6 +18,9 @@ Beyond one machine (see docs/hpc.md):
     matexrun --check                              # check the installation (no script)
     matexrun -n 2 -m pytest -q test_x.py          # a module, as python -m runs it
     matexrun --horovod -np 2 train_hvd.py         # an unmodified Horovod script
+    matexrun --elastic --host-discovery-script ./hosts.sh train.py
+                                                  # restart on the hosts left when a
+                                                  # whole host is lost (docs/fault-tolerance.md)
 
 ``--horovod`` makes ``import horovod...`` resolve to ``matex.horovod`` in every
 rank. horovodrun's common flags are accepted: ``-np``, ``-H``, ``--hostfile``,
@@ -49,7 +52,8 @@ from matex.launcher.hosts import (HostError, cluster_mpi_args, format_hostfile, 
                                   read_hostfile, slurm_allocation, total_slots)
 from matex.launcher.mpiexec import (DEFAULT_HEARTBEAT, find_mpiexec, ft_mpi_args, launch_env,
                                     mpi_flavor, mpiexec_command)
-from matex.launcher.supervise import STATUS_DIR_VAR, run_fault_tolerant, run_with_restarts
+from matex.launcher.supervise import (STATUS_DIR_VAR, discover_hosts, run_fault_tolerant,
+                                      run_with_restarts)
 
 
 def _add_cluster_options(parser):
@@ -220,6 +224,95 @@ def _add_horovodrun_options(parser):
                            dest="ignored_flags", help=argparse.SUPPRESS)
 
 
+def _add_elastic_options(parser):
+    group = parser.add_argument_group(
+        "elastic", "restart the job on the hosts available when it dies (a whole host lost "
+        "with its MPI daemon, which ULFM cannot survive); docs/fault-tolerance.md")
+    group.add_argument("--elastic", action="store_true",
+                       help="implies --ft: when the job dies, restart it (up to --reset-limit "
+                            "times) on the hosts --host-discovery-script lists then (else the "
+                            "same hosts), from the last commit (hvd.elastic) or checkpoint "
+                            "(fit) in --checkpoint-dir")
+    group.add_argument("--host-discovery-script", metavar="SCRIPT",
+                       help="horovodrun's: an executable printing the hosts available now, one "
+                            "HOST or HOST:SLOTS per line; implies --elastic; gives the first "
+                            "launch's hosts too")
+    group.add_argument("--slots", type=int, metavar="N",
+                       help="slots of a host the discovery script lists without any (default 1)")
+    group.add_argument("--min-np", type=int, metavar="N",
+                       help="do not restart on fewer than N ranks (default 1)")
+    group.add_argument("--max-np", type=int, metavar="N",
+                       help="restart on at most N ranks (default: the first launch's)")
+    group.add_argument("--reset-limit", type=int, default=3, metavar="N",
+                       help="restart at most N times (default %(default)s)")
+
+
+def _plan_elastic(opts, parser):
+    """Check ``--elastic``'s options; the first launch's hosts come from the discovery
+    script when there is one. ``--elastic`` implies ``--ft``."""
+    if opts.host_discovery_script:
+        opts.elastic = True
+    if not opts.elastic:
+        for flag in ("min_np", "max_np", "slots"):
+            if getattr(opts, flag) is not None:
+                parser.error("--%s goes with --elastic or --host-discovery-script"
+                             % flag.replace("_", "-"))
+        return
+    if opts.restart:
+        parser.error("--elastic restarts by itself; do not combine it with --restart")
+    opts.ft = True
+    for flag in ("min_np", "max_np", "slots"):
+        if getattr(opts, flag) is not None and getattr(opts, flag) < 1:
+            parser.error("--%s must be at least 1" % flag.replace("_", "-"))
+    if opts.reset_limit < 0:
+        parser.error("--reset-limit must not be negative")
+    if opts.min_np and opts.max_np and opts.min_np > opts.max_np:
+        parser.error("--min-np %d is above --max-np %d" % (opts.min_np, opts.max_np))
+    if not opts.host_discovery_script:
+        return
+    if opts.hosts or opts.hostfile:
+        parser.error("give the hosts with --host-discovery-script or with -H/--hostfile, "
+                     "not both")
+    try:
+        hosts = discover_hosts(opts.host_discovery_script, opts.slots)
+    except HostError as exc:
+        parser.error(str(exc))
+    if not hosts:
+        parser.error("the host discovery script %s lists no host" % opts.host_discovery_script)
+    opts.hosts = [",".join("%s:%d" % host for host in hosts)]
+    opts.slurm = False
+
+
+def _elastic_replan(opts, mpiexec, env, program, rest_args, first_nranks):
+    """``run_with_restarts``'s plan under ``--elastic``: the hosts the discovery script lists
+    now (or the same command without one), at most ``--max-np`` ranks, at least ``--min-np``."""
+    most = opts.max_np or first_nranks
+    least = opts.min_np or 1
+
+    def replan(cmd, nranks):
+        if not opts.host_discovery_script:
+            return cmd, nranks
+        try:
+            hosts = discover_hosts(opts.host_discovery_script, opts.slots)
+        except HostError as exc:
+            print("matexrun: %s; not restarting" % exc, file=sys.stderr, flush=True)
+            return None
+        n = min(total_slots(hosts), most) if hosts else 0
+        spec = ",".join("%s:%d" % host for host in hosts)
+        if n < least:
+            print("matexrun: the host discovery script lists %d slot(s) (%s), fewer than "
+                  "--min-np %d; not restarting" % (n, spec or "no host", least),
+                  file=sys.stderr, flush=True)
+            return None
+        print("matexrun: hosts available now: %s" % spec, file=sys.stderr, flush=True)
+        args = cluster_mpi_args(mpiexec, hosts=hosts, launch_agent=opts.launch_agent,
+                                tcp_if=opts.tcp_if, env=env)
+        return mpiexec_command(n, program, mpi_args=args + rest_args, mpiexec=mpiexec,
+                               oversubscribe=False), n
+
+    return replan
+
+
 def _horovodrun_env(opts, parser) -> dict:
     """The ranks' variables for horovodrun's flags that map onto MaTEx settings."""
     env = {}
@@ -305,6 +398,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                         help="with --check: build the ops now if their cache is cold")
     _add_cluster_options(parser)
     _add_horovodrun_options(parser)
+    _add_elastic_options(parser)
     parser.add_argument("-m", dest="module", nargs=argparse.REMAINDER, metavar="MODULE ARGS",
                         help="run a module as python -m does, e.g. -m pytest -q test_x.py "
                              "(instead of a script; what follows are its arguments)")
@@ -340,9 +434,17 @@ def main(argv: Sequence[str] | None = None) -> int:
         if opts.timeline:
             parser.error("give --timeline DIR or --timeline-filename FILE, not both")
         opts.timeline = opts.timeline_filename + "-ranks"
+    _plan_elastic(opts, parser)
+    given_nranks = opts.nranks
     env = launch_env()
     mpiexec = find_mpiexec()
     nranks, cluster_args, hostfile_text, notes = _plan_cluster(opts, parser, env, mpiexec)
+    cluster_env = dict(env)   # what the cluster arguments forward (-x): again on a restart
+    if opts.elastic and given_nranks is None and opts.max_np and nranks > opts.max_np:
+        nranks = opts.nranks = opts.max_np
+    if opts.elastic and opts.min_np and nranks < opts.min_np:
+        parser.error("--min-np %d is above the %d rank(s) of the first launch"
+                     % (opts.min_np, nranks))
     mpi_args = list(opts.mpi_arg)
     status_parent = None
     if opts.ft:
@@ -373,14 +475,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         env[var] = value
         if var not in cluster_args:
             mpi_args = ["-x", var] + mpi_args
-    if opts.restart:
-        if opts.ft:
-            parser.error("--restart is the fallback without ULFM; do not combine it with --ft")
+    if opts.restart and opts.ft:
+        parser.error("--restart is the fallback without ULFM; do not combine it with --ft")
+    if opts.restart or opts.elastic:
         env["MATEX_CHECKPOINT_DIR"] = os.path.abspath(opts.checkpoint_dir)
         if "MATEX_CHECKPOINT_DIR" not in cluster_args:
             mpi_args = ["-x", "MATEX_CHECKPOINT_DIR"] + mpi_args
-    mpi_args = cluster_args + _output_and_binding_args(mpiexec, opts, cluster_args,
-                                                       opts.mpi_arg) + mpi_args
+    rest_args = _output_and_binding_args(mpiexec, opts, cluster_args, opts.mpi_arg) + mpi_args
+    mpi_args = cluster_args + rest_args
     runner = [sys.executable, "-m", "matex"] + (["--all-ranks"] if opts.all_ranks else []) + (
         ["--horovod"] if opts.horovod else [])
     tmpdir = None
@@ -404,7 +506,15 @@ def main(argv: Sequence[str] | None = None) -> int:
             print("matexrun: " + " ".join(cmd), file=sys.stderr, flush=True)
         if opts.dry_run:
             return 0
-        if opts.ft:
+        if opts.elastic:
+            def launch(cmd, env, nranks):
+                return run_fault_tolerant(cmd, env, nranks, status_parent,
+                                          one_host=not cluster_args)
+
+            code = run_with_restarts(cmd, nranks, env, opts.reset_limit, run=launch,
+                                     replan=_elastic_replan(opts, mpiexec, cluster_env,
+                                                            runner + target, rest_args, nranks))
+        elif opts.ft:
             code = run_fault_tolerant(cmd, env, nranks, status_parent,
                                       one_host=not cluster_args)
         else:

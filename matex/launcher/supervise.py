@@ -22,7 +22,7 @@ import sys
 import tempfile
 import threading
 import time
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 
 from matex._config import RELAUNCHED_FROM_VAR, STATUS_DIR_VAR
 from matex.launcher.mpiexec import STARTUP_RETRIES, startup_failed
@@ -352,19 +352,75 @@ def _run_fault_tolerant_once(cmd, env, nranks, status_parent, one_host=False):
 
 
 def run_with_restarts(cmd: Sequence[str], nranks: int, env: dict[str, str],
-                      restarts: int) -> int:
-    """Run ``cmd``; after a failure rerun it up to ``restarts`` times, one rank fewer each."""
-    code = _call(cmd, env)
+                      restarts: int,
+                      run: Callable[[list[str], dict[str, str], int], int] | None = None,
+                      replan: Callable[[list[str], int], tuple[list[str], int] | None]
+                      | None = None) -> int:
+    """Run ``cmd``; after a failure rerun it up to ``restarts`` times, from the last checkpoint.
+
+    ``run(cmd, env, nranks)`` makes one launch and returns its exit status
+    (default: plain mpiexec; ``matexrun --ft --elastic`` passes
+    ``run_fault_tolerant``). ``replan(cmd, nranks)`` says where the next launch
+    goes: a new ``(cmd, nranks)``, or None to stop (default: the same command
+    on one rank fewer, ``--restart``; ``--elastic`` asks the host discovery
+    script). The ranks resume from what they wrote to ``MATEX_CHECKPOINT_DIR``.
+    """
+    def plain(c, e, n):
+        return _call(c, e)
+
+    run = run or plain
+    replan = replan or _one_rank_fewer
+    code = run(list(cmd), env, nranks)
     for attempt in range(restarts):
-        if code == 0 or nranks == 1:
+        if code == 0:
             break
-        nranks -= 1
-        cmd = list(cmd)
-        cmd[cmd.index("-n") + 1] = str(nranks)
+        planned = replan(list(cmd), nranks)
+        if planned is None:
+            break
+        cmd, nranks = planned
         env["MATEX_INJECT_FAULT"] = ""   # injected faults fire in the first run only
         print("matexrun: the job failed (exit %d); restarting from the last checkpoint in %s "
               "on %d rank(s) (restart %d of %d)" % (code, env["MATEX_CHECKPOINT_DIR"], nranks,
                                                    attempt + 1, restarts),
               file=sys.stderr, flush=True)
-        code = _call(cmd, env)
+        code = run(list(cmd), env, nranks)
     return code
+
+
+def _one_rank_fewer(cmd, nranks):
+    """``--restart``'s plan: the same command on one rank fewer (None when one is left)."""
+    if nranks == 1:
+        return None
+    cmd[cmd.index("-n") + 1] = str(nranks - 1)
+    return cmd, nranks - 1
+
+
+DISCOVERY_TIMEOUT_S = 60.0
+
+
+def discover_hosts(script: str, slots: int | None = None) -> list[tuple[str, int]]:
+    """The hosts a discovery script names now (horovodrun's ``--host-discovery-script``).
+
+    The script prints one host per line, ``HOST`` or ``HOST:SLOTS``; a host
+    without slots gets ``slots`` (default 1). Blank lines and ``#`` comments
+    are skipped. Raises ``HostError`` when the script fails, times out
+    (``DISCOVERY_TIMEOUT_S``) or prints a line that is not a host.
+    """
+    from matex.launcher.hosts import HostError, parse_hosts
+
+    try:
+        proc = subprocess.run([script], capture_output=True, text=True,
+                              timeout=DISCOVERY_TIMEOUT_S)
+    except (OSError, subprocess.TimeoutExpired) as exc:
+        raise HostError("host discovery script %s failed: %s" % (script, exc)) from exc
+    if proc.returncode != 0:
+        raise HostError("host discovery script %s exited with status %d: %s"
+                        % (script, proc.returncode, proc.stderr.strip()[-500:]))
+    hosts: dict[str, int] = {}
+    for line in proc.stdout.splitlines():
+        line = line.split("#", 1)[0].strip()
+        if not line:
+            continue
+        for name, count in parse_hosts(line):
+            hosts[name] = count if count is not None else (slots or 1)
+    return list(hosts.items())

@@ -1,6 +1,6 @@
 """Test script written for Horovod's elastic API (never mentions MaTEx): a custom loop.
 
-Usage: matexrun --ft --horovod ... elastic_loop.py OUT STEPS_PER_EPOCH EPOCHS
+Usage: matexrun --ft --horovod ... elastic_loop.py OUT STEPS_PER_EPOCH EPOCHS [fit]
 
 ``hvd.elastic.run`` runs ``train(state)``; ``state`` is a
 ``TensorFlowKerasState`` holding the model, its ``hvd.DistributedOptimizer``
@@ -9,6 +9,12 @@ sample was trained on, summed over ranks) and ``sizes`` (the number of ranks
 of each step). Step i trains on global batch i % STEPS_PER_EPOCH of a
 per-epoch permutation, divided among the ranks there are when it runs, and
 commits. Every rank that finishes writes OUT.<world rank> (JSON).
+
+"fit": then a second phase, Horovod's elastic Keras recipe: ``model.fit``
+inside ``hvd.elastic.run`` with a ``KerasState`` (``epoch``, ``batch``) and the
+three elastic callbacks, committing at epoch ends only, for 3 epochs of
+STEPS_PER_EPOCH steps on each rank's shard; every rank that finishes it
+writes OUT.fit.<world rank>.
 """
 
 import hashlib
@@ -21,6 +27,7 @@ import numpy as np
 import tensorflow as tf
 
 import horovod.tensorflow as hvd
+import horovod.tensorflow.keras as hvd_keras
 
 hvd.init()
 out, per_epoch, epochs = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
@@ -74,4 +81,34 @@ with open("%s.%s" % (out, os.environ.get("OMPI_COMM_WORLD_RANK", "0")), "w") as 
     json.dump({"returned": done, "batch": state.batch, "size": hvd.size(),
                "iterations": int(optimizer.iterations.numpy()),
                "seen": state.seen.tolist(), "sizes": state.sizes, "resets": resets,
+               "digest": digest.hexdigest()}, f)
+
+if "fit" not in sys.argv[4:]:
+    sys.exit(0)
+FIT_EPOCHS = 3
+fit_model = keras.Sequential([keras.Input((6,)), keras.layers.Dense(8, activation="relu"),
+                              keras.layers.Dense(2)])
+fit_model.compile(optimizer=hvd_keras.DistributedOptimizer(keras.optimizers.Adam(0.01)),
+                  loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+fit_state = hvd_keras.elastic.KerasState(fit_model, batch=0, epoch=0)
+launches = []
+
+
+@hvd_keras.elastic.run
+def fit(state):
+    launches.append([state.epoch, hvd.size()])
+    rows = np.arange(n)[hvd.rank()::hvd.size()][:BATCH * per_epoch // hvd.size()]
+    callbacks = [hvd_keras.elastic.UpdateBatchStateCallback(state),
+                 hvd_keras.elastic.UpdateEpochStateCallback(state),
+                 hvd_keras.elastic.CommitStateCallback(state, batches_per_commit=10 ** 6)]
+    fit_model.fit(x[rows], y[rows], batch_size=BATCH // hvd.size(), verbose=0,
+                  epochs=FIT_EPOCHS - state.epoch, callbacks=callbacks)
+
+
+fit(fit_state)
+digest = hashlib.sha256(b"".join(np.ascontiguousarray(v.numpy()).tobytes()
+                                 for v in fit_model.variables))
+with open("%s.fit.%s" % (out, os.environ.get("OMPI_COMM_WORLD_RANK", "0")), "w") as f:
+    json.dump({"epoch": fit_state.epoch, "batch": fit_state.batch, "launches": launches,
+               "iterations": int(fit_model.optimizer.iterations.numpy()),
                "digest": digest.hexdigest()}, f)
