@@ -242,8 +242,13 @@ def local_size_op(name: str | None = None) -> tf.Tensor:
 # ---- collectives ------------------------------------------------------------
 
 def _no_process_set(process_set: Any) -> None:
-    if process_set is not None and process_set is not global_process_set:
-        raise ValueError("process sets are not supported by matex.horovod")
+    """Check a training API's ``process_set``: None, or a registered ``hvd.ProcessSet``."""
+    if process_set is None or process_set is global_process_set:
+        return
+    if not isinstance(process_set, ProcessSet) or process_set.process_set_id is None:
+        raise ValueError("process_set must be a registered hvd.ProcessSet, not %s"
+                         % (process_set,))
+    _process_sets.get(process_set.process_set_id)
 
 
 def _slot(process_set: ProcessSet | None) -> int:
@@ -255,6 +260,50 @@ def _set_size(process_set: ProcessSet | None) -> int:
     if process_set is None or process_set.process_set_id == 0:
         return size()
     return process_set.size() or 0
+
+
+def _reduce_within(reduction: Any, process_set: ProcessSet | None) -> Any:
+    """Make ``reduction`` (an optimizer's or tape's ``HorovodReduction``) reduce over
+    ``process_set`` only, as Horovod's ``process_set=`` does; returns it.
+
+    On the set's members the gradients are averaged (or summed) over the set's
+    communicator slot, local variables' gradients kept (divided by the set's size
+    with ``scale_local_gradients``); a rank outside the set keeps its own gradients.
+    No compression within a process set.
+    """
+    if process_set is None or process_set.process_set_id == 0:
+        return reduction
+    op = {"average": Average, "sum": Sum, "adasum": Adasum}[reduction.op]
+
+    def reduce(grads: list, variables: list | None) -> list:
+        grads = list(grads)
+        if not process_set.included():
+            return grads
+        local = reduction._local_ids() if variables is not None else set()
+        out: list[Any] = list(grads)
+        dense = []
+        for i, g in enumerate(grads):
+            if g is None:
+                continue
+            if variables is not None and id(variables[i]) in local:
+                if reduction.scale_local:
+                    out[i] = g / tf.cast(_set_size(process_set), g.dtype)
+                continue
+            if isinstance(g, tf.IndexedSlices) and (reduction.sparse_as_dense or op == Adasum):
+                g = tf.convert_to_tensor(g)
+            if isinstance(g, tf.IndexedSlices):
+                out[i] = allreduce(g, op=op, process_set=process_set)
+            else:
+                dense.append(i)
+        reduced = grouped_allreduce([grads[i] if not isinstance(grads[i], tf.IndexedSlices)
+                                     else tf.convert_to_tensor(grads[i]) for i in dense],
+                                    op=op, process_set=process_set)
+        for i, r in zip(dense, reduced):
+            out[i] = r
+        return out
+
+    reduction.reduce = reduce
+    return reduction
 
 
 def _averaged_gradient(tensor: tf.Tensor, comm: int = 0) -> tf.Tensor:
@@ -533,8 +582,9 @@ def DistributedOptimizer(optimizer: Any, name: str | None = None, use_locking: b
     ``IndexedSlices`` gradients dense before the reduction. The optimizer
     gains Horovod's ``register_local_var(var)``: that variable's gradient is
     not reduced (divided by the number of ranks with
-    ``scale_local_gradients``). Not supported (NotImplementedError): process
-    sets, TF1 ``tf.compat.v1`` optimizers.
+    ``scale_local_gradients``). ``process_set``: the gradients are reduced
+    over its members only (the others keep theirs). Not supported
+    (NotImplementedError): TF1 ``tf.compat.v1`` optimizers.
     """
     return _distributed_optimizer(optimizer, compression, sparse_as_dense,
                                   backward_passes_per_step, op, gradient_predivide_factor,
@@ -590,7 +640,7 @@ def _distributed_optimizer(optimizer, compression, sparse_as_dense, backward_pas
         state.op, _spec.from_spec(spec), sparse_as_dense, backward_passes_per_step,
         average_aggregated_gradients, local_layers or (), scale_local_gradients,
         state.threshold)
-    state.strategy = reduction
+    state.strategy = _reduce_within(reduction, process_set)
     object.__setattr__(optimizer, "register_local_var", reduction.register_local_var)
     return optimizer
 
@@ -606,7 +656,7 @@ def _distributed_tape(gradtape, compression, sparse_as_dense, op, gradient_predi
                                  _spec.from_spec(_compression_spec(compression)),
                                  sparse_as_dense, local_layers=local_layers,
                                  scale_local_gradients=scale_local_gradients)
-    return horovod_tape(gradtape, reduction)
+    return horovod_tape(gradtape, _reduce_within(reduction, process_set))
 
 
 def DistributedGradientTape(gradtape: tf.GradientTape, device_dense: str = "",

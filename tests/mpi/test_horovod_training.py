@@ -258,3 +258,25 @@ def test_partial_optimizer_in_fit():
     assert all_equal_bytes(shared.get_weights())
     if N > 1:
         assert len(set(gather(local.get_weights()[0].tobytes()))) == N
+
+
+@pytest.mark.parametrize("split", [[4, 1, 2], [5, 0, 3]], ids=["uneven", "an-empty-rank"])
+def test_sync_batch_normalization_is_one_process_on_the_global_batch(split):
+    """hvd.SyncBatchNormalization: each rank's slice normalised with the global batch's
+    mean and variance, and every rank's moving statistics updated with them, as one
+    process on the whole batch; a rank with 0 rows weighs nothing (no NaN anywhere)."""
+    rows = split[:N]
+    rng = np.random.default_rng(21)
+    full = (rng.normal(size=(sum(rows), 3)) * [1.0, 2.0, 0.5] + 3.0).astype("float32")
+    mine = full[sum(rows[:R]):sum(rows[:R + 1])]
+    layer = hvd.SyncBatchNormalization(momentum=0.5, epsilon=1e-3)
+    assert layer.name.startswith("sync_batch_normalization")
+    out = layer(tf.constant(mine.reshape(-1, 3)), training=True).numpy()
+    mean, var = full.astype(np.float64).mean(0), full.astype(np.float64).var(0)
+    assert out.shape == (rows[R], 3)
+    np.testing.assert_allclose(out, (mine - mean) / np.sqrt(var + 1e-3), rtol=1e-4, atol=1e-5)
+    np.testing.assert_allclose(layer.moving_mean.numpy(), 0.5 * mean, rtol=1e-5)
+    np.testing.assert_allclose(layer.moving_variance.numpy(), 0.5 + 0.5 * var, rtol=1e-5)
+    assert all_equal_bytes([layer.moving_mean.numpy(), layer.moving_variance.numpy()])
+    with pytest.raises(ValueError, match="fused=True"):
+        hvd.SyncBatchNormalization(fused=True)

@@ -204,3 +204,27 @@ def test_init_with_process_sets_from_ranks_and_communicators():
     finally:
         half.Free()
     assert _process_sets.table() == {0: list(range(N))}
+
+
+def test_tape_and_optimizer_average_within_the_set():
+    ps = hvd.add_process_set(range(N - 1))   # the last rank stays out
+    members = list(range(N - 1))
+    try:
+        x = tf.Variable(float(R + 1))
+        with tf.GradientTape() as tape:
+            y = x * x
+        tape = hvd.DistributedGradientTape(tape, process_set=ps)
+        (grad,) = tape.gradient(y, [x])
+        # members: 2 x averaged over the set; the rank outside keeps its own (Horovod)
+        want = (2.0 * sum(m + 1 for m in members) / len(members) if R in members
+                else 2.0 * (R + 1))
+        assert float(grad) == pytest.approx(want, rel=1e-6)
+        import keras
+
+        w = tf.Variable([0.0])
+        opt = hvd.DistributedOptimizer(keras.optimizers.SGD(1.0), op=hvd.Sum, process_set=ps)
+        opt.apply([tf.constant([float(R + 1)])], [w])
+        want = (-float(sum(m + 1 for m in members)) if R in members else -float(R + 1))
+        assert w.numpy().tolist() == [want]
+    finally:
+        assert hvd.remove_process_set(ps)
