@@ -2,7 +2,8 @@
 
     python benchmarks/hpo_workflow.py [--quick] [--json PATH]
 
-Three phases, each one ``mpiexec`` job running ``matex.hpo.minimize``:
+Three phases, running ``matex.hpo.minimize`` in two ``mpiexec`` jobs (utilisation
+and layouts in one, the failure's two searches under ULFM in the other):
 
 * ``utilisation``: 8 groups of 1 rank on synthetic trials that sleep for a
   log-normal duration (so it measures the scheduler, not the CPU): busy-time
@@ -75,10 +76,23 @@ def _sleep_search(trials, groups_seed, kill=None, record=None):
     return begin, time.time(), spans
 
 
-def worker_utilisation(args):
+def worker_groups(args):
+    """The phases run on groups of the same ranks, in one job (one start-up of TensorFlow):
+    a utilisation search per ``--trials`` count (``name=trials,...``), then the layouts."""
+    results = {}
+    for item in args.trials.split(","):
+        name, trials = item.split("=")
+        results[name] = _utilisation(int(trials))
+    results["layouts"] = _layouts(args)
     from mpi4py import MPI
 
-    trials = int(args.trials)
+    _common.emit(results, MPI.COMM_WORLD.Get_rank())
+
+
+def _utilisation(trials):
+    """Busy and idle fractions of a sleep search's groups (the result on rank 0, else None)."""
+    from mpi4py import MPI
+
     begin, end, spans = _sleep_search(trials, 1)
     every = MPI.COMM_WORLD.gather(spans, root=0)
     if MPI.COMM_WORLD.Get_rank() == 0:
@@ -96,30 +110,37 @@ def worker_utilisation(args):
             drain += last - spans[-1][1] if spans else last - first
             late += spans[0][0] - first if spans else 0.0   # a group's first trial came later
         whole = groups * (last - first)
-        _common.emit({"groups": groups, "trials": len(flat),
-                      "busy_fraction": busy / whole,
-                      "busy_fraction_with_start": busy / (groups * (end - begin)),
-                      "mean_trial_s": busy / len(flat),
-                      "median_handoff_s": statistics.median(gaps) if gaps else 0.0,
-                      "handoff_idle_fraction": sum(gaps) / whole,
-                      "drain_idle_fraction": drain / whole,
-                      "start_idle_fraction": late / whole})
+        return {"groups": groups, "trials": len(flat),
+                "busy_fraction": busy / whole,
+                "busy_fraction_with_start": busy / (groups * (end - begin)),
+                "mean_trial_s": busy / len(flat),
+                "median_handoff_s": statistics.median(gaps) if gaps else 0.0,
+                "handoff_idle_fraction": sum(gaps) / whole,
+                "drain_idle_fraction": drain / whole,
+                "start_idle_fraction": late / whole}
+    return None
 
 
 def worker_failure(args):
+    """The search without a failure, then the same search with ``--kill`` (rank, trial
+    index) killed mid-trial, in one ULFM job; each records its trials' starts in a file."""
     from mpi4py import MPI
 
-    kill = json.loads(args.kill) if args.kill else None
     trials = 16 if args.quick else 32
-    begin, end, spans = _sleep_search(trials, 2, kill=kill, record=args.record)
-    if MPI.COMM_WORLD.Get_rank() == 0:
-        starts = [json.loads(line) for line in open(args.record)]
-        xs = [s["x"] for s in starts]
-        _common.emit({"seconds": end - begin, "started": len(xs), "trials": trials,
-                      "redone": len(xs) - len(set(xs)), "failed": len(xs) - trials})
+    results = {}
+    for name, kill, record in (("baseline", None, args.record + ".baseline"),
+                               ("killed", json.loads(args.kill), args.record + ".killed")):
+        begin, end, spans = _sleep_search(trials, 2, kill=kill, record=record)
+        if MPI.COMM_WORLD.Get_rank() == 0:
+            starts = [json.loads(line) for line in open(record)]
+            xs = [s["x"] for s in starts]
+            results[name] = {"seconds": end - begin, "started": len(xs), "trials": trials,
+                             "redone": len(xs) - len(set(xs)), "failed": len(xs) - trials}
+            os.remove(record)
+    _common.emit(results, MPI.COMM_WORLD.Get_rank())
 
 
-def worker_layouts(args):
+def _layouts(args):
     import keras
     import keras_tuner as kt
     import numpy as np
@@ -164,7 +185,7 @@ def worker_layouts(args):
         results["%dx%d" % (world.Get_size() // k, k)] = {
             "seconds": end - begin, "best_accuracy": -best,
             "to_target_s": (min(hits) - begin) if hits else None}
-    _common.emit(results, world.Get_rank())
+    return results
 
 
 def report(results, quick):
@@ -231,33 +252,29 @@ def main():
         for key in ("--kill", "--record", "--trials"):
             if key in parser_args:
                 setattr(ns, key[2:], parser_args[parser_args.index(key) + 1])
-        return {"utilisation": worker_utilisation, "layouts": worker_layouts,
-                "failure": worker_failure}[name](ns)
-    args = _common.parse_args(__doc__.splitlines()[0], ["utilisation", "layouts", "failure"],
-                              repeats=1)
+        return {"groups": worker_groups, "failure": worker_failure}[name](ns)
+    args = _common.parse_args(__doc__.splitlines()[0], ["groups", "failure"], repeats=1)
     quick = ["--quick"] if args.quick else []
     from matex import launcher
 
-    # --quick: 4 ranks (not 8) and fewer trials, a smoke run of the same measurements
+    # --quick: 4 ranks (not 8) and fewer trials, a smoke run of the same measurements;
+    # layouts --quick: 4 x 1, 2 x 2, 1 x 4, 4 short trials. One job runs the utilisation
+    # searches and the layouts (each rank starts TensorFlow once, not three times).
     groups = 4 if args.quick else 8
-    results = {name: _common.run_phase(__file__, "utilisation", groups,
-                                       quick + ["--trials", str(groups * per_group)],
-                                       mpi_args=["--oversubscribe"])
-               for name, per_group in (("utilisation", 4 if args.quick else 12),
-                                       ("utilisation_long", 12 if args.quick else 100))}
-    # --quick: 4 ranks (4 x 1, 2 x 2, 1 x 4), 4 short trials
-    results["layouts"] = _common.run_phase(__file__, "layouts", groups, quick,
-                                           mpi_args=["--oversubscribe"])
+    trials = ",".join("%s=%d" % (name, groups * per_group) for name, per_group in (
+        ("utilisation", 4 if args.quick else 12), ("utilisation_long", 12 if args.quick else 100)))
+    results = _common.run_phase(__file__, "groups", groups, quick + ["--trials", trials],
+                                mpi_args=["--oversubscribe"])
     import tempfile
 
-    failure = {}
-    for name, kill in (("baseline", None), ("killed", [2, 1])):
-        record = tempfile.mktemp(prefix="matex-hpo-bench-")
-        extra = quick + ["--record", record] + (["--kill", json.dumps(kill)] if kill else [])
-        failure[name] = _common.run_phase(__file__, "failure", 4, extra,
-                                          mpi_args=launcher.ft_mpi_args())
-        os.remove(record)
-    results["failure"] = failure
+    # the search without and with a rank killed in a trial: one ULFM job, one after the
+    # other. Heartbeat 2 s (suspected after 20 s): a rank starting TensorFlow on a loaded
+    # machine can miss 10 s of beats, and was then declared dead though alive; the killed
+    # rank is seen at once through its closed connections, whatever the heartbeat.
+    record = tempfile.mktemp(prefix="matex-hpo-bench-")
+    results["failure"] = _common.run_phase(
+        __file__, "failure", 4, quick + ["--record", record, "--kill", json.dumps([2, 1])],
+        mpi_args=launcher.ft_mpi_args(heartbeat=2.0))
     command = "python benchmarks/hpo_workflow.py" + (" --quick" if args.quick else "")
     print(_common.header("hyperparameter search workflow (matex.hpo.minimize)", command))
     print(report(results, args.quick))
