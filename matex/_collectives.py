@@ -8,8 +8,9 @@ the executor would otherwise pick. Eagerly, ops run in Python order.
 
 from __future__ import annotations
 
+import contextlib
 import weakref
-from typing import Iterable, Sequence
+from typing import Iterable, Iterator, Sequence
 
 import tensorflow as tf
 
@@ -74,6 +75,32 @@ def _op_of(result):
         return result
     first = tf.nest.flatten(result)[0]
     return first if isinstance(first, tf.Operation) else first.op
+
+
+_MISMATCH_CODE_ATTR = "_matex_mismatch_code"   # read by the kernels (kernels/common.h)
+
+
+@contextlib.contextmanager
+def mismatch_code(code: int) -> Iterator[None]:
+    """MaTEx ops made in this scope, in a graph, report ranks that disagree with ``code``.
+
+    ``code`` is a TensorFlow error code (``tf.errors.FAILED_PRECONDITION``);
+    without this scope a mismatch is INVALID_ARGUMENT. Eager callers tell a
+    mismatch by the error's payload (``matex.errors.is_mismatch``), which a
+    TF1 ``Session`` drops; the code is kept. Eagerly the scope does nothing.
+    """
+    if tf.executing_eagerly():
+        yield
+        return
+    from tensorflow.core.framework import attr_value_pb2
+
+    from matex import _compat
+
+    value = attr_value_pb2.AttrValue(i=int(code))
+    graph = tf.compat.v1.get_default_graph()
+    with _compat.graph_attr_scope(graph, {
+            _MISMATCH_CODE_ATTR: lambda node: value if node.op.startswith("Matex") else None}):
+        yield
 
 
 def _ops():

@@ -80,6 +80,8 @@ REQUIRED = (
     # keras-tuner (matex.hpo's oracles): random points and the record of points tried
     ("keras_tuner.src.engine.oracle", "Oracle._random_values"),
     ("keras_tuner.src.engine.oracle", "Oracle._duplicate"),
+    # node attributes on the ops a graph makes in a scope (matex.horovod's mismatch code)
+    ("tensorflow.python.framework.ops", "Graph._attr_scope"),
 )
 
 # private attributes of instances, set in __init__ (checked on a fresh instance by the test)
@@ -551,3 +553,12 @@ def keras_file_layout(model, archive, h5_path: str) -> tuple:
 def ask_to_overwrite(filepath: str) -> bool:
     """Keras's own prompt before ``model.save(..., overwrite=False)`` replaces a file."""
     return _resolve("keras.src.utils.io_utils", "ask_to_proceed_with_overwrite")(filepath)
+
+
+def graph_attr_scope(graph, attrs):
+    """``graph._attr_scope(attrs)``: ops created in it get these node attributes.
+
+    ``attrs`` maps names to ``AttrValue`` protos, or to callables of the new
+    op's ``NodeDef`` returning one or None (no attribute on that op).
+    """
+    return graph._attr_scope(attrs)

@@ -106,6 +106,10 @@ def test_horovod_script_runs_unmodified_on_two_ranks_as_on_one(tmp_path):
     assert [r["graph_broadcast_"] for r in ranks] == [[[1.0, 1.0], [1.0, 1.0]]] * 2
     assert [r["graph_ordered"] for r in [alone] + ranks] == [True] * 3
     assert [r["graph_together"] for r in ranks] == [[[0, 1, 1], [3.0] * 3]] * 2
+    # mismatches in graphs: Horovod's error from the compat layer's ops, MaTEx's from its own
+    fp, ia = "FailedPreconditionError", "InvalidArgumentError"
+    assert [r["graph_mismatch"] for r in ranks] == [[[fp, True], [fp, True], [ia, True]]] * 2
+    assert [r["function_mismatch"] for r in ranks] == [fp] * 2
     # horovodrun's flags: 1 MiB fusion buckets; one merged timeline of both ranks
     assert [r["fusion_threshold"] for r in ranks] == [str(1 << 20)] * 2
     events = json.loads(timeline.read_text())

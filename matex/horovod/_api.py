@@ -52,13 +52,20 @@ def handle_average_backwards_compatibility(op: int | None, average: bool | None)
 
 @contextlib.contextmanager
 def _horovod_errors() -> Iterator[None]:
-    """Ranks that disagree on a collective: Horovod's ``FailedPreconditionError``."""
-    try:
-        yield
-    except tf.errors.OpError as exc:
-        if is_mismatch(exc) and not isinstance(exc, tf.errors.FailedPreconditionError):
-            raise tf.errors.FailedPreconditionError(exc.node_def, exc.op, exc.message) from exc
-        raise
+    """Ranks that disagree on a collective: Horovod's ``FailedPreconditionError``.
+
+    Eagerly the error is converted here (recognised by its payload). The ops
+    made in a graph (a TF1 ``Session``'s or ``tf.function``'s) raise it
+    themselves when they run: a ``Session`` drops the payload.
+    """
+    with _collectives.mismatch_code(tf.errors.FAILED_PRECONDITION):
+        try:
+            yield
+        except tf.errors.OpError as exc:
+            if is_mismatch(exc) and not isinstance(exc, tf.errors.FailedPreconditionError):
+                raise tf.errors.FailedPreconditionError(exc.node_def, exc.op,
+                                                        exc.message) from exc
+            raise
 
 
 def _as_horovod_errors(function: Callable) -> Callable:

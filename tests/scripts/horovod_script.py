@@ -21,6 +21,8 @@ different number, and the root of the broadcasts is the last rank (seeded
    what ``hvd.alltoall`` returns with and without splits.
 5. ``hvd.broadcast_`` in a TF1 graph run by a ``Session``; two independent
    collectives fetched together, made in program order.
+6. The error of collectives whose shapes differ between ranks, run by a
+   ``Session`` and in a ``tf.function``.
 """
 
 import json
@@ -175,6 +177,34 @@ with tf.Graph().as_default():
                                       session.run(variable).tolist()]
         together = session.run([second, first])
         report["graph_together"] = [together[0].tolist(), together[1].tolist()]
+
+# 6. ranks that disagree, in a graph: Horovod's FailedPreconditionError from Session.run
+#    (which drops the payload the eager conversion reads) and from a tf.function; MaTEx's
+#    own allreduce keeps InvalidArgumentError there
+def mismatch_in_graph(make):
+    with tf.Graph().as_default(), tf.compat.v1.Session() as session:
+        try:
+            session.run(make(tf.ones([RANK + 1])))
+        except tf.errors.OpError as exc:
+            return [type(exc).__name__, "ranks disagree on the collective" in exc.message]
+    return None
+
+
+@tf.function
+def mismatch_in_function():
+    return hvd_tf.allgather(tf.ones([2, RANK + 1]))
+
+
+if SIZE > 1:
+    import matex
+
+    report["graph_mismatch"] = [mismatch_in_graph(hvd_tf.allreduce),
+                                mismatch_in_graph(lambda t: hvd_tf.broadcast(t, ROOT)),
+                                mismatch_in_graph(matex.allreduce)]
+    try:
+        mismatch_in_function()
+    except tf.errors.OpError as exc:
+        report["function_mismatch"] = type(exc).__name__
 
 with open("%s.rank%d.json" % (out, RANK), "w") as f:
     json.dump(report, f)

@@ -24,7 +24,24 @@ using tensorflow::OpKernelContext;
 using tensorflow::Tensor;
 using tensorflow::TensorShape;
 
-inline absl::Status ToTf(const matex::Status& s, const char* op) {
+// The node attribute naming the status code of a mismatch (an int, a
+// TensorFlow error code). Absent: INVALID_ARGUMENT. matex.horovod sets
+// FAILED_PRECONDITION, Horovod's code, on the ops it puts in a graph: a TF1
+// Session drops the payload below (by which an eager caller tells a mismatch
+// from other errors) but keeps the code.
+constexpr char kMismatchCodeAttr[] = "_matex_mismatch_code";
+
+inline absl::StatusCode MismatchCode(OpKernelConstruction* c) {
+  int code = 0;
+  if (c->HasAttr(kMismatchCodeAttr) && c->GetAttr(kMismatchCodeAttr, &code).ok() &&
+      code > 0 && code <= int(absl::StatusCode::kUnauthenticated)) {
+    return static_cast<absl::StatusCode>(code);
+  }
+  return absl::StatusCode::kInvalidArgument;
+}
+
+inline absl::Status ToTf(const matex::Status& s, const char* op,
+                         absl::StatusCode mismatch = absl::StatusCode::kInvalidArgument) {
   if (s.ok()) return absl::OkStatus();
   std::string msg = std::string(op) + ": " + s.message;
   switch (s.kind) {
@@ -36,7 +53,7 @@ inline absl::Status ToTf(const matex::Status& s, const char* op) {
       return st;
     }
     case matex::Status::Kind::kMismatch: {
-      absl::Status st = absl::InvalidArgumentError(msg);
+      absl::Status st(mismatch, msg);
       st.SetPayload("matex.mismatch", absl::Cord(absl::string_view("1")));
       return st;
     }

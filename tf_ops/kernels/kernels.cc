@@ -5,8 +5,9 @@
 // status payload ("matex.mpi_error_class") and in the message. (Not
 // UNAVAILABLE: TensorFlow rewrites that code, dropping payloads, when it comes
 // from an op inside a nested function.) Ranks that disagree on a collective
-// get INVALID_ARGUMENT with the payload "matex.mismatch"; other failures are
-// INTERNAL without a payload.
+// get INVALID_ARGUMENT with the payload "matex.mismatch" (or the code the
+// node's "_matex_mismatch_code" attribute names: common.h); other failures
+// are INTERNAL without a payload.
 #include "common.h"
 
 namespace {
@@ -23,6 +24,7 @@ class AllreduceOp : public OpKernel {
   explicit AllreduceOp(OpKernelConstruction* c) : OpKernel(c) {
     OP_REQUIRES_OK(c, ParseReduceOp(c, &op_));
     OP_REQUIRES_OK(c, c->GetAttr("comm", &comm_));
+    mismatch_ = MismatchCode(c);
   }
   void Compute(OpKernelContext* ctx) override {
     SiteScope site(*this);
@@ -35,12 +37,13 @@ class AllreduceOp : public OpKernel {
     OP_REQUIRES_OK(ctx, ctx->forward_input_or_allocate_output({0}, 0, in.shape(), &out));
     HugePagesFor(*out);
     OP_REQUIRES_OK(ctx, ToTf(matex::Allreduce(Ref(in), Mutable(Ref(*out)), dtype, op_, comm_),
-                             "matex allreduce"));
+                             "matex allreduce", mismatch_));
   }
 
  private:
   matex::ReduceOp op_;
   int comm_ = 0;
+  absl::StatusCode mismatch_ = absl::StatusCode::kInvalidArgument;
 };
 
 class GroupedAllreduceOp : public OpKernel {
@@ -48,6 +51,7 @@ class GroupedAllreduceOp : public OpKernel {
   explicit GroupedAllreduceOp(OpKernelConstruction* c) : OpKernel(c) {
     OP_REQUIRES_OK(c, ParseReduceOp(c, &op_));
     OP_REQUIRES_OK(c, c->GetAttr("comm", &comm_));
+    mismatch_ = MismatchCode(c);
   }
   void Compute(OpKernelContext* ctx) override {
     SiteScope site(*this);
@@ -71,12 +75,13 @@ class GroupedAllreduceOp : public OpKernel {
     OP_REQUIRES_OK(
         ctx, ToTf(matex::FusedAllreduce(ins, outs, dtype, op_,
                                         const_cast<char*>(scratch.tensor_data().data()), comm_),
-                  "matex fused allreduce"));
+                  "matex fused allreduce", mismatch_));
   }
 
  private:
   matex::ReduceOp op_;
   int comm_ = 0;
+  absl::StatusCode mismatch_ = absl::StatusCode::kInvalidArgument;
 };
 
 class BroadcastOp : public OpKernel {
@@ -84,6 +89,7 @@ class BroadcastOp : public OpKernel {
   explicit BroadcastOp(OpKernelConstruction* c) : OpKernel(c) {
     OP_REQUIRES_OK(c, c->GetAttr("root", &root_));
     OP_REQUIRES_OK(c, c->GetAttr("comm", &comm_));
+    mismatch_ = MismatchCode(c);
   }
   void Compute(OpKernelContext* ctx) override {
     SiteScope site(*this);
@@ -91,12 +97,13 @@ class BroadcastOp : public OpKernel {
     matex::TensorRef ref;
     OP_REQUIRES_OK(ctx, InPlaceOutput(ctx, &dtype, &ref));
     OP_REQUIRES_OK(ctx, ToTf(matex::Broadcast(Mutable(ref), ref.shape, dtype, root_, comm_),
-                             "matex broadcast"));
+                             "matex broadcast", mismatch_));
   }
 
  private:
   int root_;
   int comm_ = 0;
+  absl::StatusCode mismatch_ = absl::StatusCode::kInvalidArgument;
 };
 
 // An output buffer for the core to fill: TensorFlow leaves an empty tensor
@@ -125,6 +132,7 @@ class AllgatherOp : public OpKernel {
  public:
   explicit AllgatherOp(OpKernelConstruction* c) : OpKernel(c) {
     OP_REQUIRES_OK(c, c->GetAttr("comm", &comm_));
+    mismatch_ = MismatchCode(c);
   }
   void Compute(OpKernelContext* ctx) override {
     SiteScope site(*this);
@@ -136,26 +144,29 @@ class AllgatherOp : public OpKernel {
     std::vector<int64_t> first_dims;
     matex::Status s = matex::Allgather(Ref(in), dtype, allocate, &first_dims, comm_);
     OP_REQUIRES_OK(ctx, alloc_status);
-    OP_REQUIRES_OK(ctx, ToTf(s, "matex allgather"));
+    OP_REQUIRES_OK(ctx, ToTf(s, "matex allgather", mismatch_));
   }
 
  private:
   int comm_ = 0;
+  absl::StatusCode mismatch_ = absl::StatusCode::kInvalidArgument;
 };
 
 // Splits the caller got wrong (on any rank) are an invalid argument, like a
 // mismatch; other failures keep ToTf's mapping.
-inline absl::Status InvalidIsArgument(const matex::Status& s, const char* op) {
+inline absl::Status InvalidIsArgument(const matex::Status& s, const char* op,
+                                      absl::StatusCode mismatch) {
   if (s.kind == matex::Status::Kind::kInvalid) {
     return absl::InvalidArgumentError(std::string(op) + ": " + s.message);
   }
-  return ToTf(s, op);
+  return ToTf(s, op, mismatch);
 }
 
 class AlltoallOp : public OpKernel {
  public:
   explicit AlltoallOp(OpKernelConstruction* c) : OpKernel(c) {
     OP_REQUIRES_OK(c, c->GetAttr("comm", &comm_));
+    mismatch_ = MismatchCode(c);
   }
   void Compute(OpKernelContext* ctx) override {
     SiteScope site(*this);
@@ -172,7 +183,7 @@ class AlltoallOp : public OpKernel {
     std::vector<int64_t> received;
     matex::Status s = matex::Alltoall(Ref(in), splits, dtype, allocate, &received, comm_);
     OP_REQUIRES_OK(ctx, alloc_status);
-    OP_REQUIRES_OK(ctx, InvalidIsArgument(s, "matex alltoall"));
+    OP_REQUIRES_OK(ctx, InvalidIsArgument(s, "matex alltoall", mismatch_));
     Tensor* t = nullptr;
     OP_REQUIRES_OK(ctx, ctx->allocate_output(
                             1, TensorShape({int64_t(received.size())}), &t));
@@ -182,6 +193,7 @@ class AlltoallOp : public OpKernel {
 
  private:
   int comm_ = 0;
+  absl::StatusCode mismatch_ = absl::StatusCode::kInvalidArgument;
 };
 
 class ReducescatterOp : public OpKernel {
@@ -189,6 +201,7 @@ class ReducescatterOp : public OpKernel {
   explicit ReducescatterOp(OpKernelConstruction* c) : OpKernel(c) {
     OP_REQUIRES_OK(c, ParseReduceOp(c, &op_));
     OP_REQUIRES_OK(c, c->GetAttr("comm", &comm_));
+    mismatch_ = MismatchCode(c);
   }
   void Compute(OpKernelContext* ctx) override {
     SiteScope site(*this);
@@ -199,12 +212,13 @@ class ReducescatterOp : public OpKernel {
     auto allocate = RowsLike(ctx, in, &alloc_status);
     matex::Status s = matex::Reducescatter(Ref(in), dtype, op_, allocate, comm_);
     OP_REQUIRES_OK(ctx, alloc_status);
-    OP_REQUIRES_OK(ctx, InvalidIsArgument(s, "matex reducescatter"));
+    OP_REQUIRES_OK(ctx, InvalidIsArgument(s, "matex reducescatter", mismatch_));
   }
 
  private:
   matex::ReduceOp op_;
   int comm_ = 0;
+  absl::StatusCode mismatch_ = absl::StatusCode::kInvalidArgument;
 };
 
 class CommInfoOp : public OpKernel {
