@@ -19,6 +19,7 @@ import matex
 from matex import _collectives, _process_sets, _runtime
 from matex.errors import is_mismatch
 from matex._process_sets import ProcessSet, global_process_set
+from matex.horovod import _join
 from matex.horovod._compression import Compression, Compressor
 
 # Horovod's reduce-op constants (horovod.common.basics) and MaTEx's names for them
@@ -405,6 +406,9 @@ def allreduce(tensor: tf.Tensor | tf.IndexedSlices, average: bool | None = None,
         return tf.IndexedSlices(values, indices, dense_shape=tensor.dense_shape)
     tensor = tf.convert_to_tensor(tensor)
     compressed, context = compression.compress(tensor)
+    if comm == 0:   # over every rank: announced, for ranks in hvd.join() (_join)
+        compressed = _join.announced_allreduce(
+            compressed, op, prescale_factor != 1.0 or postscale_factor != 1.0)
     if _ALLREDUCE_SCALES:   # MaTEx applies Horovod's scaling rules itself
         reduced = matex.allreduce(compressed, op=_op_name(op), name=name, comm=comm,
                                   prescale_factor=prescale_factor,

@@ -28,6 +28,12 @@ import tensorflow as tf
 
 from matex import _collectives, _commit, _compat
 from matex.compression import _reduce
+from matex.horovod import _join
+
+
+# Python that builds ops: autograph (a tf.function's default) would convert it, and
+# everything it calls, on every trace (seconds), for nothing
+_no_autograph = tf.autograph.experimental.do_not_convert
 
 
 def _cond(pred, true_fn, false_fn):
@@ -88,14 +94,19 @@ class HorovodReduction:
 
     # ---- the reduction --------------------------------------------------------
 
+    @_no_autograph
     def reduce(self, grads: list, variables: list | None) -> list:
         """``grads`` reduced over ranks, local variables' gradients kept (scaled)."""
         grads = list(grads)
         if self.sparse_as_dense or self.op == "adasum":
             grads = [tf.convert_to_tensor(g) if isinstance(g, tf.IndexedSlices) else g
                      for g in grads]
-        local = self._local_ids() if variables is not None else set()
         variables = list(variables) if variables is not None else None
+        announced = _join.announce_gradients(self, grads, variables)   # for hvd.join()
+        if announced is not None and not tf.executing_eagerly():
+            with tf.control_dependencies([announced]):
+                grads = [tf.identity(g) if isinstance(g, tf.Tensor) else g for g in grads]
+        local = self._local_ids() if variables is not None else set()
         shared = [i for i in range(len(grads))
                   if variables is None or id(variables[i]) not in local]
         reduced = _reduce.reduce_gradients(
@@ -114,6 +125,7 @@ class HorovodReduction:
 
     # ---- the optimizer's step (matex._optimizer's strategy interface) ---------
 
+    @_no_autograph
     def apply(self, optimizer: Any, grads: list, variables: list | None, inner_apply: Any,
               op: str, rows: Any) -> Any:
         """Reduce (every N-th call) and apply; the other calls accumulate and count."""
@@ -192,6 +204,7 @@ class _HorovodTapeMixin:
 
     _hvd: HorovodReduction
 
+    @_no_autograph
     def gradient(self, target, sources, output_gradients=None,
                  unconnected_gradients=tf.UnconnectedGradients.NONE, use_generic_names=False):
         grads = super().gradient(target, sources, output_gradients=output_gradients,

@@ -141,7 +141,7 @@ def test_sparse_as_dense_tape_reduces_a_dense_gradient():
     ids = [np.array([[r % 7, (2 * r + 1) % 7, 3]]) for r in range(N)]
     kinds = []
 
-    @tf.function
+    @tf.function(autograph=False)
     def step():   # traced: MaTEx's sparse allreduce would give IndexedSlices here
         with tf.GradientTape() as tape:
             loss = tf.reduce_sum(model(tf.constant(ids[R])) * float(R + 1))
@@ -280,3 +280,63 @@ def test_sync_batch_normalization_is_one_process_on_the_global_batch(split):
     assert all_equal_bytes([layer.moving_mean.numpy(), layer.moving_variance.numpy()])
     with pytest.raises(ValueError, match="fused=True"):
         hvd.SyncBatchNormalization(fused=True)
+
+
+@pytest.mark.parametrize("traced", [False, True], ids=["eager", "tf.function"])
+def test_join_with_uneven_data(traced):
+    """Rank r has r + 1 batches; a rank out of data calls hvd.join() and serves the others'
+    gradient reductions and allreduces with zeros. Each step's reduced gradient is the sum
+    over the ranks still training divided by all the ranks (Horovod's rule), so every
+    rank's weights are NumPy's after its own number of steps; join returns the last rank
+    to join (the one with the most batches) on every rank."""
+    steps = R + 1
+    rng = np.random.default_rng(31)
+    x = rng.normal(size=(N, N, 4, 3)).astype("float32")   # x[r, k]: rank r's batch k
+    y = rng.normal(size=(N, N, 4, 1)).astype("float32")
+    model = _linear()
+    opt = keras.optimizers.SGD(LR)
+
+    def step(xb, yb, value):
+        with tf.GradientTape() as tape:
+            loss = tf.reduce_mean(tf.square(model(xb) - yb))
+        tape = hvd.DistributedGradientTape(tape)
+        grads = tape.gradient(loss, model.trainable_variables)
+        opt.apply_gradients(zip(grads, model.trainable_variables))
+        return (hvd.allreduce(value, op=hvd.Sum), hvd.allreduce(value, op=hvd.Average))
+
+    if traced:
+        step = tf.function(step)
+    sums = []
+    for k in range(steps):
+        summed, averaged = step(tf.constant(x[R, k]), tf.constant(y[R, k]),
+                                tf.constant([float(R + 1)]))
+        sums.append((float(summed[0]), float(averaged[0])))
+    last = hvd.join()
+    assert int(last) == N - 1
+    # NumPy: at step k the ranks r >= k still train
+    w, b = np.linspace(-0.5, 0.5, 3).reshape(-1, 1), np.array([0.1])
+    for k in range(steps):
+        gw, gb = 0, 0
+        for r in range(k, N):
+            dw, db = _mse_grads(w, b, x[r, k], y[r, k])
+            gw, gb = gw + dw / N, gb + db / N
+        w, b = w - LR * gw, b - LR * gb
+        active = sum(r + 1 for r in range(k, N))
+        assert sums[k] == pytest.approx((active, active / N), rel=1e-6)
+    np.testing.assert_allclose(model.get_weights()[0], w, rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(model.get_weights()[1], b, rtol=1e-5, atol=1e-6)
+    # everyone joined: the next reductions are plain again
+    assert float(hvd.allreduce(tf.constant(1.0), op=hvd.Sum)) == N
+
+
+def test_join_meets_an_unannounced_collective_with_an_error_on_every_rank():
+    """An allgather run while a rank has joined cannot be served: an error on every rank
+    (MaTEx's mismatch check), not a hang; the ranks go on afterwards."""
+    if N == 1:
+        pytest.skip("needs 2 ranks")
+    with pytest.raises((tf.errors.FailedPreconditionError, tf.errors.InvalidArgumentError)):
+        if R == 0:
+            hvd.join()
+        else:
+            hvd.allgather(tf.constant([float(R)]))
+    assert float(hvd.allreduce(tf.constant(1.0), op=hvd.Sum)) == N

@@ -25,6 +25,7 @@ from matex.horovod._api import (DistributedGradientTape, DistributedOptimizer,
 from matex.horovod._api import _executing_eagerly  # noqa: F401 - Horovod's tests use hvd._executing_eagerly
 from matex.horovod._compression import Compression
 from matex.horovod._sync_bn import SyncBatchNormalization
+from matex.horovod._join import join
 from matex.horovod.common.util import gpu_available
 from matex.horovod.tensorflow import util
 from matex.horovod._api import (ProcessSet, add_process_set, global_process_set,  # process sets
@@ -39,7 +40,8 @@ __all__ = [
     "allreduce", "grouped_allreduce", "allgather", "broadcast", "broadcast_",
     "broadcast_variables", "broadcast_global_variables", "Compression",
     "DistributedOptimizer", "DistributedGradientTape", "PartialDistributedOptimizer",
-    "PartialDistributedGradientTape", "SyncBatchNormalization", "gpu_available", "util",
+    "PartialDistributedGradientTape", "SyncBatchNormalization", "gpu_available", "join",
+    "util",
 ]
 # the collectives MaTEx added for Horovod, where this MaTEx has them
 __all__ += _api.OPTIONAL

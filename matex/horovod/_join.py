@@ -1,0 +1,164 @@
+"""``hvd.join()``: a rank out of data serves the others' reductions with zeros.
+
+Horovod's rule: a rank that called ``join()`` takes part, with zeros, in
+every allreduce the other ranks still run, until every rank has joined;
+``join()`` then returns the last rank to join, on every rank. An Average
+divides by all the ranks (joined ones included), as Horovod's does (its
+postscale is 1/size whoever joined).
+
+MaTEx's collectives have no name-based negotiation (every rank issues the
+same collectives in the same order), so a joined rank must learn what the
+others reduce. Every join-aware reduction is therefore announced first by one
+small int64 allreduce (``STATUS`` values: the number of active ranks and a
+description): the joined rank, looping in ``join()``, takes part in that
+announcement with zeros, reads the description and issues the same reduction
+with zeros; when the announcement counts no active rank, everyone has joined.
+
+Join-aware: ``hvd.allreduce`` of a dense tensor over the global set (up to
+``MAX_DIMS`` dimensions) and the gradient reductions of Horovod's
+``DistributedOptimizer``/``DistributedGradientTape`` (and their ``Partial``
+forms), in eager mode or in a ``tf.function``. The joined rank replays a
+gradient reduction from a plan it recorded in its own earlier steps (the same
+model): it must have reduced gradients once before joining. Any other
+collective run by the active ranks while a rank has joined (``allgather``,
+``broadcast``, ``grouped_allreduce``, Keras ``fit``'s metric averaging...)
+meets the joined rank's announcement and fails on every rank with MaTEx's
+mismatch error: an error, never a hang. ``MATEX_HOROVOD_JOIN=0`` turns the
+announcements off (one small allreduce less per reduction); ``join()`` then
+only works when every rank joins at the same point.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import zlib
+from typing import Any
+
+import tensorflow as tf
+
+from matex import _collectives, _runtime
+
+STATUS = 12          # int64 values of an announcement
+MAX_DIMS = STATUS - 6
+_ALLREDUCE, _GRADIENTS = 1, 2
+
+_local = threading.local()          # .serving: this thread is inside join()
+_plans: dict[int, tuple] = {}       # key -> (reduction, grads template, variables)
+_plans_lock = threading.Lock()
+
+
+def enabled() -> bool:
+    """Whether reductions announce themselves (``MATEX_HOROVOD_JOIN`` unset or not 0)."""
+    return os.environ.get("MATEX_HOROVOD_JOIN", "1") != "0" and not getattr(
+        _local, "serving", False)
+
+
+def _announce(values: list) -> tf.Tensor:
+    """The announcement's allreduce: this active rank's description (1 first)."""
+    status = [tf.cast(v, tf.int64) for v in [1] + values]
+    status += [tf.constant(0, tf.int64)] * (STATUS - len(status))
+    return _collectives.allreduce(tf.stack(status), "sum")
+
+
+def announced_allreduce(tensor: tf.Tensor, op: int, scaled: bool) -> tf.Tensor:
+    """``tensor``, after announcing its allreduce (identity with a dependency in graphs)."""
+    if not enabled() or tensor.shape.rank is None or tensor.shape.rank > MAX_DIMS:
+        return tensor
+    shape = tf.shape(tensor, out_type=tf.int64)
+    dims = [shape[i] for i in range(tensor.shape.rank)]
+    status = _announce([_ALLREDUCE, tensor.dtype.as_datatype_enum, op, int(scaled),
+                        tensor.shape.rank] + dims)
+    if tf.executing_eagerly():
+        return tensor
+    with tf.control_dependencies([status]):
+        return tf.identity(tensor)
+
+
+def _template(grads: list, variables: list | None) -> list:
+    """What a gradient list looks like: None, ("dense", dtype, shape), ("sparse", ...)."""
+    out = []
+    for i, g in enumerate(grads):
+        if g is None:
+            out.append(None)
+        elif isinstance(g, tf.IndexedSlices):
+            shape = (tuple(variables[i].shape) if variables is not None
+                     else tuple(tf.get_static_value(g.dense_shape)))
+            out.append(("sparse", g.values.dtype.name, shape, g.indices.dtype.name))
+        else:
+            out.append(("dense", g.dtype.name, tuple(g.shape)))
+    return out
+
+
+def _zeros(template: list) -> list:
+    out: list[Any] = []
+    for t in template:
+        if t is None:
+            out.append(None)
+        elif t[0] == "dense":
+            out.append(tf.zeros(t[2], t[1]))
+        else:
+            _, dtype, shape, index_dtype = t
+            out.append(tf.IndexedSlices(tf.zeros((0,) + tuple(shape[1:]), dtype),
+                                        tf.zeros([0], index_dtype),
+                                        tf.constant(shape, tf.int64)))
+    return out
+
+
+def announce_gradients(reduction: Any, grads: list, variables: list | None) -> Any:
+    """Announce a gradient reduction and record its plan; returns a dependency or None."""
+    if not enabled():
+        return None
+    template = _template(grads, variables)
+    local = ([id(v) in reduction._local_ids() for v in variables] if variables is not None
+             else [])
+    description = repr((template, local, reduction.op, repr(reduction.compressor),
+                        reduction.sparse_as_dense, reduction.scale_local))
+    key = zlib.crc32(description.encode())
+    with _plans_lock:
+        _plans[key] = (reduction, template, variables)
+    return _announce([_GRADIENTS, key])
+
+
+def join() -> tf.Tensor:
+    """Serve the other ranks' announced reductions with zeros until every rank has joined.
+
+    Returns the last rank to join (an int32 scalar tensor), the same on every
+    rank. Eager only.
+    """
+    if not tf.executing_eagerly():
+        raise NotImplementedError("hvd.join() runs eagerly (call it outside tf.function)")
+    from matex.horovod import _api
+
+    first = True
+    _local.serving = True
+    try:
+        while True:
+            status = _collectives.allreduce(tf.zeros([STATUS], tf.int64), "sum").numpy()
+            active = int(status[0])
+            if active == 0:
+                break
+            first = False
+            kind, *description = (int(v) // active for v in status[1:])
+            if kind == _ALLREDUCE:
+                dtype, op, scaled, rank = description[:4]
+                shape = description[4:4 + rank]
+                _api.allreduce(tf.zeros(shape, tf.dtypes.as_dtype(dtype)), op=op,
+                               postscale_factor=2.0 if scaled else 1.0)
+            elif kind == _GRADIENTS:
+                with _plans_lock:
+                    plan = _plans.get(description[0])
+                if plan is None:
+                    raise RuntimeError(
+                        "hvd.join(): the other ranks reduce gradients this rank never "
+                        "reduced (it must reduce the same gradients once before joining)")
+                reduction, template, variables = plan
+                reduction.reduce(_zeros(template), variables)
+            else:
+                raise RuntimeError("hvd.join(): an announcement this MaTEx does not know "
+                                   "(kind %d)" % kind)
+    finally:
+        _local.serving = False
+    last = _collectives.allreduce(tf.constant(_runtime.rank() if first else -1, tf.int64),
+                                  "max")
+    return tf.cast(last, tf.int32)
