@@ -172,9 +172,11 @@ def test_elastic_plan_takes_the_hosts_from_the_discovery_script(tmp_path):
     # horovodrun's flag alone means --elastic, which means --ft; a host without slots: 1
     assert " -n 6 --host a:2,b:1,c:3 " in cmd and "--with-ft ulfm" in cmd, cmd
     assert "-x MATEX_CHECKPOINT_DIR" in cmd, cmd
-    proc = _dry(["--host-discovery-script", "DISCOVER", "--slots", "4", "--max-np", "5"],
-                tmp_path)
+    # horovodrun's spellings; a flag with no meaning here is named once
+    proc = _dry(["--host-discovery-script", "DISCOVER", "--slots-per-host", "4",
+                 "--max-num-proc", "5", "--blacklist-cooldown-range", "60", "300"], tmp_path)
     assert " -n 5 --host a:2,b:4,c:3 " in proc.stderr, proc.stderr
+    assert proc.stderr.count("horovodrun's --blacklist-cooldown-range has no meaning") == 1
 
 
 def test_elastic_options_are_checked_before_launching(tmp_path):
@@ -213,3 +215,33 @@ def test_restarts_follow_the_plan_until_it_says_stop():
     launches.clear()
     code = supervise.run_with_restarts(["mpiexec", "-n", "2", "x"], 2, dict(env), 5, run=run)
     assert [n for _, n, _ in launches] == [2, 1]
+
+
+def test_a_restart_waits_for_min_np_slots_then_gives_up(tmp_path, capsys):
+    """Before a restart, matexrun asks the discovery script again while it lists fewer
+    than --min-np slots, for up to --elastic-timeout seconds (horovodrun's rule)."""
+    import argparse
+
+    from matex.launcher import cli, find_mpiexec
+
+    calls = tmp_path / "calls"
+    discover = tmp_path / "discover.sh"
+    # one host on the first call, two from the second on
+    discover.write_text("#!/bin/sh\necho x >> %s\necho a:1\n"
+                        "[ $(wc -l < %s) -ge 2 ] && echo b:1\nexit 0\n" % (calls, calls))
+    discover.chmod(0o755)
+    opts = argparse.Namespace(host_discovery_script=str(discover), slots=None, max_np=None,
+                              min_np=2, elastic_timeout=30.0, launch_agent=None, tcp_if=None)
+    replan = cli._elastic_replan(opts, find_mpiexec(), {}, ["python", "t.py"], ["--x"], 3)
+    cmd, n = replan(["old"], 3)
+    assert n == 2 and cmd[1:5] == ["-n", "2", "--host", "a:1,b:1"], cmd
+    assert cmd[-3:] == ["--x", "python", "t.py"], cmd
+    assert calls.read_text().count("x") == 2
+    err = capsys.readouterr().err
+    assert "lists 1 slot(s), fewer than --min-np 2; waiting up to 30 s" in err, err
+    calls.write_text("")
+    opts.min_np, opts.elastic_timeout = 3, 0.5   # never enough: gives up
+    replan = cli._elastic_replan(opts, find_mpiexec(), {}, ["python", "t.py"], [], 3)
+    assert replan(["old"], 3) is None
+    assert "fewer than --min-np 3 after 0 s (--elastic-timeout); not restarting" in (
+        capsys.readouterr().err)

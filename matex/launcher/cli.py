@@ -46,14 +46,15 @@ import signal
 import sys
 import tempfile
 import threading
+import time
 from collections.abc import Sequence
 
 from matex.launcher.hosts import (HostError, cluster_mpi_args, format_hostfile, parse_hosts,
                                   read_hostfile, slurm_allocation, total_slots)
 from matex.launcher.mpiexec import (DEFAULT_HEARTBEAT, find_mpiexec, ft_mpi_args, launch_env,
                                     mpi_flavor, mpiexec_command)
-from matex.launcher.supervise import (STATUS_DIR_VAR, discover_hosts, run_fault_tolerant,
-                                      run_with_restarts)
+from matex.launcher.supervise import (DISCOVERY_POLL_S, STATUS_DIR_VAR, discover_hosts,
+                                      run_fault_tolerant, run_with_restarts)
 
 
 def _add_cluster_options(parser):
@@ -190,6 +191,8 @@ HOROVODRUN_IGNORED = {
     "--binding-args": (True, "give mpiexec's binding with --mpi-arg"),
     "--ssh-port": (True, "give ssh options with --launch-agent"),
     "--ssh-identity-file": (True, "give ssh options with --launch-agent"),
+    "--blacklist-cooldown-range": (2, "matexrun keeps no blacklist: it restarts on the hosts "
+                                      "the discovery script lists"),
 }
 
 
@@ -220,7 +223,9 @@ def _add_horovodrun_options(parser):
                        help="as --check")
     parser.set_defaults(ignored_flags=[])
     for flag, (takes_value, why) in HOROVODRUN_IGNORED.items():
-        group.add_argument(flag, action=_IgnoredFlag, nargs=1 if takes_value else 0,
+        if flag == "--blacklist-cooldown-range":
+            continue   # an elastic flag (_add_elastic_options)
+        group.add_argument(flag, action=_IgnoredFlag, nargs=int(takes_value),
                            dest="ignored_flags", help=argparse.SUPPRESS)
 
 
@@ -237,14 +242,20 @@ def _add_elastic_options(parser):
                        help="horovodrun's: an executable printing the hosts available now, one "
                             "HOST or HOST:SLOTS per line; implies --elastic; gives the first "
                             "launch's hosts too")
-    group.add_argument("--slots", type=int, metavar="N",
+    group.add_argument("--slots-per-host", "--slots", dest="slots", type=int, metavar="N",
                        help="slots of a host the discovery script lists without any (default 1)")
-    group.add_argument("--min-np", type=int, metavar="N",
-                       help="do not restart on fewer than N ranks (default 1)")
-    group.add_argument("--max-np", type=int, metavar="N",
+    group.add_argument("--min-np", "--min-num-proc", dest="min_np", type=int, metavar="N",
+                       help="restart on no fewer than N ranks: wait up to --elastic-timeout "
+                            "for the discovery script to list enough slots (default 1)")
+    group.add_argument("--max-np", "--max-num-proc", dest="max_np", type=int, metavar="N",
                        help="restart on at most N ranks (default: the first launch's)")
+    group.add_argument("--elastic-timeout", type=float, default=600.0, metavar="SECONDS",
+                       help="how long to wait for --min-np slots before giving up "
+                            "(default %(default).0f)")
     group.add_argument("--reset-limit", type=int, default=3, metavar="N",
                        help="restart at most N times (default %(default)s)")
+    group.add_argument("--blacklist-cooldown-range", action=_IgnoredFlag, nargs=2,
+                       dest="ignored_flags", help=argparse.SUPPRESS)
 
 
 def _plan_elastic(opts, parser):
@@ -266,6 +277,8 @@ def _plan_elastic(opts, parser):
             parser.error("--%s must be at least 1" % flag.replace("_", "-"))
     if opts.reset_limit < 0:
         parser.error("--reset-limit must not be negative")
+    if opts.elastic_timeout < 0:
+        parser.error("--elastic-timeout must not be negative")
     if opts.min_np and opts.max_np and opts.min_np > opts.max_np:
         parser.error("--min-np %d is above --max-np %d" % (opts.min_np, opts.max_np))
     if not opts.host_discovery_script:
@@ -292,18 +305,31 @@ def _elastic_replan(opts, mpiexec, env, program, rest_args, first_nranks):
     def replan(cmd, nranks):
         if not opts.host_discovery_script:
             return cmd, nranks
-        try:
-            hosts = discover_hosts(opts.host_discovery_script, opts.slots)
-        except HostError as exc:
-            print("matexrun: %s; not restarting" % exc, file=sys.stderr, flush=True)
-            return None
-        n = min(total_slots(hosts), most) if hosts else 0
-        spec = ",".join("%s:%d" % host for host in hosts)
-        if n < least:
-            print("matexrun: the host discovery script lists %d slot(s) (%s), fewer than "
-                  "--min-np %d; not restarting" % (n, spec or "no host", least),
-                  file=sys.stderr, flush=True)
-            return None
+        deadline, waiting = time.monotonic() + opts.elastic_timeout, False
+        while True:
+            try:
+                hosts = discover_hosts(opts.host_discovery_script, opts.slots)
+            except HostError as exc:
+                print("matexrun: %s; not restarting" % exc, file=sys.stderr, flush=True)
+                return None
+            n = min(total_slots(hosts), most) if hosts else 0
+            spec = ",".join("%s:%d" % host for host in hosts)
+            if n >= least:
+                break
+            if time.monotonic() >= deadline:
+                print("matexrun: the host discovery script lists %d slot(s) (%s), fewer than "
+                      "--min-np %d%s; not restarting" % (
+                          n, spec or "no host", least,
+                          " after %.0f s (--elastic-timeout)" % opts.elastic_timeout
+                          if waiting else ""), file=sys.stderr, flush=True)
+                return None
+            if not waiting:
+                print("matexrun: the host discovery script lists %d slot(s), fewer than "
+                      "--min-np %d; waiting up to %.0f s for more" % (n, least,
+                                                                      opts.elastic_timeout),
+                      file=sys.stderr, flush=True)
+                waiting = True
+            time.sleep(DISCOVERY_POLL_S)
         print("matexrun: hosts available now: %s" % spec, file=sys.stderr, flush=True)
         args = cluster_mpi_args(mpiexec, hosts=hosts, launch_agent=opts.launch_agent,
                                 tcp_if=opts.tcp_if, env=env)

@@ -396,6 +396,7 @@ def _one_rank_fewer(cmd, nranks):
 
 
 DISCOVERY_TIMEOUT_S = 60.0
+DISCOVERY_POLL_S = 1.0   # between two runs of the discovery script while waiting for hosts
 
 
 def discover_hosts(script: str, slots: int | None = None) -> list[tuple[str, int]]:
