@@ -254,6 +254,7 @@ def _register(entries: Sequence[ProcessSet], duplicate_error: bool) -> list[Proc
         existing = {tuple(ps.ranks or ()): ps for ps in _sets.values()}
         existing[tuple(range(size))] = global_process_set
         out = []
+        seen = {0}   # ids this rank's entries took (init): a second one is a duplicate
         for ps, distinct in zip(entries, views):
             mine = next((v for v in distinct if comm.Get_rank() in v), distinct[0])
             for view in distinct:
@@ -261,11 +262,18 @@ def _register(entries: Sequence[ProcessSet], duplicate_error: bool) -> list[Proc
                     if duplicate_error:
                         raise ValueError("Attempted to add a duplicate process set: %s (the "
                                          "same ranks as %s)" % (list(view), existing[view]))
-                    if view == mine:
-                        ps._invalidate()   # Horovod: a duplicate entry is invalidated
+                    if view == mine:   # Horovod's init: the registered set, unless taken
+                        sid = existing[view].process_set_id
+                        if sid in seen:
+                            ps._invalidate()
+                        else:
+                            ps.process_set_id = sid
+                            seen.add(sid)
                     continue
                 made = _install(view, comm, ps if view == mine else None)
                 existing[view] = made
+                if view == mine:
+                    seen.add(made.process_set_id)
             if ps.ranks is None:
                 ps.ranks = list(mine)
             out.append(ps)
@@ -293,8 +301,10 @@ def add(process_set: Union[ProcessSet, Iterable[int]]) -> ProcessSet:
 def init_sets(process_sets: Sequence[ProcessSet]) -> None:
     """Register ``process_sets`` at start-up (Horovod's ``hvd.init(process_sets=...)``).
 
-    Collective. A later entry with the ranks of an earlier one (or of the
-    global set) is a ValueError on every rank naming it, as Horovod does.
+    Collective. An entry with the ranks of a set registered before (by an
+    earlier ``init``) stands for that set; one with the ranks of the global set
+    or of an earlier entry is a ValueError naming it, on the ranks where it is
+    (as Horovod does).
     """
     entries = list(process_sets)
     _register(entries, duplicate_error=False)
@@ -313,11 +323,12 @@ def remove(process_set: ProcessSet) -> bool:
 
     with _lock:
         sid = process_set.process_set_id
-        if sid is None or sid == 0 or _sets.get(sid) is not process_set:
+        if sid is None or sid == 0 or not _same(_sets.get(sid), process_set):
             return False
-        del _sets[sid]
+        registered = _sets.pop(sid)
         process_set._invalidate()
-        slot, process_set._slot = process_set._slot, None
+        registered._invalidate()
+        slot, registered._slot = registered._slot, None
         if slot is not None:
             sub = _runtime.slot_comm(slot)
             _runtime.release_comm(slot)
@@ -344,6 +355,12 @@ def get(process_set_id: int) -> ProcessSet:
     return ps
 
 
+def _same(registered: Optional[ProcessSet], process_set: ProcessSet) -> bool:
+    """Whether ``process_set`` is the registered set (or an object ``init`` mapped onto it)."""
+    return registered is not None and (registered is process_set
+                                       or registered.ranks == process_set.ranks)
+
+
 def slot_of(process_set: Optional[ProcessSet]) -> int:
     """The communicator slot a collective on ``process_set`` names (0: the global set).
 
@@ -357,9 +374,10 @@ def slot_of(process_set: Optional[ProcessSet]) -> int:
     if process_set is None or process_set.process_set_id == 0:
         return 0
     ps = get(process_set.process_set_id) if process_set.process_set_id is not None else None
-    if ps is not process_set:
+    if not _same(ps, process_set):
         raise ValueError("%s is not a registered process set: add it with "
                          "hvd.add_process_set() or hvd.init(process_sets=...)" % (process_set,))
+    assert ps is not None
     if ps._slot is None:
         import tensorflow as tf
 

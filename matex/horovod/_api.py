@@ -92,6 +92,8 @@ def init(comm: Any = None, process_sets: Any = None) -> None:
         raise ValueError("hvd.init(comm=...) takes an mpi4py communicator here, not %r" % (comm,))
     _runtime.init(comm)
     global_process_set.ranks = list(range(_runtime.size()))
+    if comm is not None:
+        global_process_set.mpi_comm = comm
     if process_sets is not None and not (isinstance(process_sets, str)
                                          and process_sets.lower() == "dynamic"):
         _process_sets.init_sets(list(process_sets))

@@ -188,6 +188,13 @@ def test_init_with_process_sets_from_ranks_and_communicators():
     with pytest.raises(ValueError, match="entry number 2 is a duplicate"):
         hvd.init(process_sets=[evens, odds, hvd.ProcessSet(EVENS)])
     assert {evens.process_set_id, odds.process_set_id} == {1, 2}
+    # a later init naming a registered set stands for it (Horovod): same id, it works
+    again = hvd.ProcessSet(EVENS)
+    hvd.init(process_sets=[again])
+    assert again.process_set_id == evens.process_set_id
+    assert sorted(_process_sets.table()) == [0, 1, 2]
+    if R % 2 == 0:
+        assert hvd.allgather_object(R, process_set=again) == EVENS
     for ps in (evens, odds):
         assert hvd.remove_process_set(ps)
     half = matex.comm().Split(R % 2, R)   # each rank passes its own half, as Horovod allows

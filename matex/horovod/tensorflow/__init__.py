@@ -53,3 +53,4 @@ from matex.horovod.tensorflow import elastic  # noqa: E402
 __all__ += ["elastic"]
 __all__ += ["ProcessSet", "global_process_set", "add_process_set",   # process sets
             "remove_process_set", "process_set_included_op"]
+from matex.horovod.tensorflow import mpi_ops  # noqa: E402,F401 - hvd.mpi_ops._basics (Horovod's tests)

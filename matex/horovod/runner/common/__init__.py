@@ -1,0 +1,1 @@
+"""``horovod.runner.common``: the helpers Horovod's scripts and tests import."""
