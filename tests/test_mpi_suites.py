@@ -25,4 +25,5 @@ def test_core_without_tensorflow(nranks, tmp_path):
 @pytest.mark.parametrize("nranks", [2, 3])
 def test_keras_api(nranks, tmp_path):
     assert mpitools.run_suite(nranks, ["test_keras_api.py", "test_runtime.py",
-                                       "test_horovod_training.py"], tmp_path) >= 20
+                                       "test_horovod_training.py", "test_horovod_elastic.py"],
+                              tmp_path) >= 20
