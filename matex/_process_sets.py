@@ -439,6 +439,8 @@ def _rebuild_all(info: Any = None) -> None:
         world_to_new = dict(zip(_world_ranks(range(comm.Get_size()), comm),
                                 range(comm.Get_size())))
         me = comm.Get_rank()
+        if global_process_set.ranks:   # hvd.init set it: the global set's ranks now
+            global_process_set.ranks = list(range(comm.Get_size()))
         for sid in sorted(_sets):
             ps = _sets[sid]
             ranks = sorted(world_to_new[w] for w in ps._world if w in world_to_new)

@@ -46,6 +46,7 @@ def step(i):
     comm = matex.comm()
     alive = MPI.Group.Translate_ranks(comm.Get_group(), list(range(comm.Get_size())),
                                       MPI.COMM_WORLD.Get_group())   # world rank of each rank
+    expect(i, "global ranks", hvd.global_process_set.ranks, list(range(len(alive))))
     for name in ("A", "B"):
         ps = sets[name]
         members = [r for r in MEMBERS[name] if r in alive]
