@@ -48,6 +48,7 @@ from typing import Any, Callable, TypeVar
 import numpy as np
 
 from matex import _config, _recovery, _runtime
+from matex._everywhere import on_every_rank
 
 WRITE_EVERY_VAR = "MATEX_ELASTIC_WRITE_EVERY"
 
@@ -133,13 +134,23 @@ class State:
         return [np.frombuffer(pickle.dumps(self.committed()), np.uint8)]
 
     def _write_through(self) -> None:
-        if self._file is None or self._commits % _write_every() or self._rank() != 0:
+        """Rank 0 writes the commit to ``_file`` (every ``MATEX_ELASTIC_WRITE_EVERY``-th);
+        collective then, so that a failed write is an error on every rank."""
+        path = self._file
+        if path is None or self._commits % _write_every():
             return
-        os.makedirs(os.path.dirname(self._file), exist_ok=True)
-        incoming = self._file + ".incoming"
-        with open(incoming, "wb") as f:
-            pickle.dump({"commits": self._commits, "state": self.committed()}, f)
-        os.replace(incoming, self._file)
+
+        def write():
+            if self._rank() != 0:
+                return
+            os.makedirs(os.path.dirname(path), exist_ok=True)
+            incoming = path + ".incoming"
+            with open(incoming, "wb") as f:
+                pickle.dump({"commits": self._commits, "state": self.committed()}, f)
+            os.replace(incoming, path)
+
+        on_every_rank(_runtime.control(), write, what="hvd.elastic: writing the commit to %s"
+                      % path)
 
 
 class ObjectState(State):
@@ -243,6 +254,12 @@ def _resume(state: State, path: str | None) -> bool:
     return True
 
 
+def _remove(state: State, path: str) -> None:
+    """On rank 0, remove the finished function's commit file (the next run starts afresh)."""
+    if state._rank() == 0 and os.path.exists(path):
+        os.remove(path)
+
+
 def run(func: F) -> F:
     """Run ``func(state, ...)`` to its end across rank failures (Horovod's ``hvd.elastic.run``).
 
@@ -257,7 +274,8 @@ def run(func: F) -> F:
     def wrapper(state: State, *args: Any, **kwargs: Any) -> Any:
         path = state_file(func)
         state._file = path
-        _resume(state, path)
+        on_every_rank(_runtime.control(), _resume, state, path,
+                      what="hvd.elastic: resuming from %s" % path)
         synced = []
 
         def body():
@@ -270,8 +288,9 @@ def run(func: F) -> F:
             result = _recovery.run(body, [_Recovering(state, synced)])
         finally:
             state._file = None
-        if path is not None and state._rank() == 0 and os.path.exists(path):
-            os.remove(path)
+        if path is not None:
+            on_every_rank(_runtime.control(), _remove, state, path,
+                          what="hvd.elastic: removing %s" % path)
         return result
 
     return wrapper  # type: ignore[return-value]

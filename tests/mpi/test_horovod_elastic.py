@@ -127,3 +127,25 @@ def test_run_starts_from_the_commit_a_previous_launch_left(tmp_path, monkeypatch
     assert seen == [(7, ["from disk"])]   # every rank: rank 0 read it, sync gave it
     gather(None)
     assert not os.path.exists(path)       # removed once train returned
+
+
+def test_an_unreadable_commit_file_is_one_error_on_every_rank(tmp_path, monkeypatch):
+    import pytest
+
+    from matex._everywhere import RemoteError
+
+    directory = _shared_dir(tmp_path)
+    monkeypatch.setenv("MATEX_CHECKPOINT_DIR", directory)
+
+    def train(state):
+        raise AssertionError("never called")
+
+    path = elastic.state_file(train)
+    if R == 0:
+        with open(path, "wb") as f:
+            f.write(b"not a pickle")
+    gather(None)
+    with pytest.raises(RemoteError, match="hvd.elastic: resuming from .*: rank 0: "
+                                          "UnpicklingError"):
+        elastic.run(train)(elastic.ObjectState(step=0))
+    gather(None)
