@@ -82,6 +82,8 @@ REQUIRED = (
     ("keras_tuner.src.engine.oracle", "Oracle._duplicate"),
     # node attributes on the ops a graph makes in a scope (matex.horovod's mismatch code)
     ("tensorflow.python.framework.ops", "Graph._attr_scope"),
+    # a bookkeeping variable made while a tf.function is traced again (bookkeeping_variable)
+    ("tensorflow.python.ops.resource_variable_ops", "ResourceVariable"),
 )
 
 # private attributes of instances, set in __init__ (checked on a fresh instance by the test)
@@ -248,6 +250,25 @@ def saving_namespaces():
 
 
 # ---- private helpers and attributes ---------------------------------------------------------
+
+def bookkeeping_variable(make_value, name):
+    """An eager, non-trainable variable for MaTEx's own counters, made even while a
+    ``tf.function`` is traced again.
+
+    ``tf.Variable`` there raises "Creating variables on a non-first call" (the
+    function's variable creator refuses), although MaTEx makes each such variable
+    once per process and keeps it: a step traced first without MaTEx's reduction and
+    then with it (Horovod's elastic example does) would fail. The class constructed
+    directly skips the creators; ``tf.init_scope`` makes it, and ``make_value()`` its
+    initial value, outside the graph.
+    """
+    from tensorflow.python.ops import resource_variable_ops
+
+    import tensorflow as tf
+
+    with tf.init_scope():
+        return resource_variable_ops.ResourceVariable(make_value(), trainable=False, name=name)
+
 
 def train_validation_split(arrays, validation_split):
     """Keras's own split of array inputs into training and validation parts."""

@@ -26,6 +26,8 @@ import threading
 
 import tensorflow as tf
 
+from matex import _compat
+
 _lock = threading.Lock()
 _ledgers = {}   # tuple of variable names -> tf.Variable int64 [2, V + 1]: sent, dense; steps
 
@@ -38,9 +40,8 @@ def record(names, sent, dense):
     with _lock:
         ledger = _ledgers.get(key)
         if ledger is None:
-            with tf.init_scope():
-                ledger = tf.Variable(tf.zeros([2, len(key) + 1], tf.int64), trainable=False,
-                                     name="matex_bytes_ledger")
+            ledger = _compat.bookkeeping_variable(lambda: tf.zeros([2, len(key) + 1], tf.int64),
+                                                  "matex_bytes_ledger")
             _ledgers[key] = ledger
 
     def row(values):
