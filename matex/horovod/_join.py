@@ -56,17 +56,24 @@ def enabled() -> bool:
 
 def _announce(values: list) -> tf.Tensor:
     """The announcement's allreduce: this active rank's description (1 first)."""
-    status = [tf.cast(v, tf.int64) for v in [1] + values]
-    status += [tf.constant(0, tf.int64)] * (STATUS - len(status))
-    return _collectives.allreduce(tf.stack(status), "sum")
+    values = [1] + list(values)
+    values += [0] * (STATUS - len(values))
+    if all(isinstance(v, int) for v in values):   # one constant: eagerly, one op less each
+        status = tf.constant(values, tf.int64)
+    else:
+        status = tf.stack([tf.cast(v, tf.int64) for v in values])
+    return _collectives.allreduce(status, "sum")
 
 
 def announced_allreduce(tensor: tf.Tensor, op: int, scaled: bool) -> tf.Tensor:
     """``tensor``, after announcing its allreduce (identity with a dependency in graphs)."""
     if not enabled() or tensor.shape.rank is None or tensor.shape.rank > MAX_DIMS:
         return tensor
-    shape = tf.shape(tensor, out_type=tf.int64)
-    dims = [shape[i] for i in range(tensor.shape.rank)]
+    if tensor.shape.is_fully_defined():
+        dims = [int(d) for d in tensor.shape]
+    else:
+        shape = tf.shape(tensor, out_type=tf.int64)
+        dims = [shape[i] for i in range(tensor.shape.rank)]
     status = _announce([_ALLREDUCE, tensor.dtype.as_datatype_enum, op, int(scaled),
                         tensor.shape.rank] + dims)
     if tf.executing_eagerly():
