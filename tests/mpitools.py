@@ -36,7 +36,13 @@ def run_suite(nranks, files, report_dir, mpi_args=(), timeout=1200, env=None):
                "-c", str(ROOT / "tests" / "mpi" / "pytest.ini")] + [
         str(ROOT / "tests" / "mpi" / f) for f in files]
     proc = run_mpi(nranks, program, mpi_args=mpi_args, timeout=timeout, env=env)
-    reports = sorted(report_dir.glob("rank*.xml"))
+    return check_reports(report_dir, nranks, proc)
+
+
+def check_reports(report_dir, nranks, proc):
+    """Assert ``report_dir`` holds ``nranks`` rank reports, all passed, all the same tests,
+    and that the job (``proc``) exited 0. Returns the number of tests each rank ran."""
+    reports = sorted(Path(report_dir).glob("rank*.xml"))
     problems = []
     names = {}
     for path in reports:
@@ -56,7 +62,7 @@ def run_suite(nranks, files, report_dir, mpi_args=(), timeout=1200, env=None):
         names[path.stem] = ran
         problems += bad
     log = (proc.stdout + proc.stderr)[-6000:]
-    for path in sorted(report_dir.glob("rank*.log")):
+    for path in sorted(Path(report_dir).glob("rank*.log")):
         text = path.read_text()
         if text:   # a timed-out test's stack dump begins with the test's own frame
             log += "\n--- %s ---\n%s" % (path.name, text[:3000] if path.name.endswith(

@@ -12,10 +12,24 @@ ROOT = Path(__file__).resolve().parent.parent
 
 
 def test_readers_suite(tmp_path):
-    for n in (1, 2, 3, 4):
-        count = mpitools.run_suite(n, ["test_readers.py", "test_readers_streaming.py"],
-                                   tmp_path / str(n))
-        assert count >= 44
+    """The suites on 4, 3, 1 and 2 ranks, in one 4-rank job (tests/scripts/suite_layouts.py):
+    the whole world, then groups of 3 and 1 side by side, then 2 ranks; each rank starts
+    TensorFlow once, not once per rank count (10 starts in 4 jobs before)."""
+    script = str(ROOT / "tests" / "scripts" / "suite_layouts.py")
+    proc = mpitools.run_mpi(4, [sys.executable, script, str(tmp_path), "4;3,1;2",
+                                "test_readers.py", "test_readers_streaming.py"], timeout=1200)
+    errors, counts = [], {}
+    for group, ranks in (("0-0", [0, 1, 2, 3]), ("1-0", [0, 1, 2]), ("1-1", [3]),
+                         ("2-0", [0, 1])):
+        n = len(ranks)
+        try:
+            counts[n] = mpitools.check_reports(tmp_path / group, n, proc)
+            seen = json.loads((tmp_path / group / "group.json").read_text())
+            assert seen == {"size": n, "world_ranks": ranks}, seen   # the suites' matex.size()
+        except AssertionError as exc:
+            errors.append("%d rank(s): %s" % (n, exc))
+    assert not errors, "\n\n".join(errors)
+    assert sorted(counts) == [1, 2, 3, 4] and min(counts.values()) >= 44, counts
 
 
 def test_benchmark_quick(tmp_path):
