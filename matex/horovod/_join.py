@@ -116,7 +116,10 @@ def announce_gradients(reduction: Any, grads: list, variables: list | None) -> A
     """Announce a gradient reduction and record its plan; returns a dependency or None."""
     if not enabled():
         return None
-    template = _template(grads, variables)
+    try:
+        template = _template(grads, variables)
+    except (TypeError, ValueError):   # a shape known only at run time: not announced, so a
+        return None                   # joined rank meets the mismatch error, never a hang
     local = ([id(v) in reduction._local_ids() for v in variables] if variables is not None
              else [])
     description = repr((template, local, reduction.op, repr(reduction.compressor),
