@@ -10,7 +10,7 @@ and layouts in one, the failure's two searches under ULFM in the other):
   fraction of the groups between the first trial's start and the last one's
   end, for a short search (12 trials per group) and a long one (100 per
   group). Target >= 97 %, on the long search. (``--quick``: 4 groups, 4 and
-  12 trials per group.) The idle time is split into hand-offs (between two
+  12 trials per group, median 0.1 s instead of 0.4 s.) The idle time is split into hand-offs (between two
   trials of a group) and the drain at the end (groups with nothing left to
   run while the last trials finish). The drain is a property of the search's
   length, not of the scheduler: with 12 trials per group it alone costs
@@ -18,7 +18,7 @@ and layouts in one, the failure's two searches under ULFM in the other):
   the hand-offs to dominate (DeepHyper's figure is for searches of hours).
 * ``layouts``: one small Keras search (same seed, same trial budget) done
   8 x 1, 4 x 2 and 1 x 8 ranks per trial on 8 ranks (``--quick``: 4 x 1,
-  2 x 2 and 1 x 4 on 4 ranks, 4 trials of 2 epochs): wall time until a trial
+  2 x 2 and 1 x 4 on 4 ranks, 2 trials of 2 epochs): wall time until a trial
   first reached the target validation accuracy, and until the search ended.
   On a machine with fewer cores than 8 this measures oversubscription.
 * ``failure``: 4 groups of 1 rank under ULFM, sleep trials, one rank killed
@@ -40,7 +40,7 @@ TARGET_UTILISATION = 0.97
 TARGET_ACCURACY = 0.80   # val_accuracy a trial must reach (0.85 was out of reach of 8 epochs)
 
 
-def _sleep_search(trials, groups_seed, kill=None, record=None):
+def _sleep_search(trials, groups_seed, kill=None, record=None, median=0.4):
     """minimize over sleep trials; returns (starts, ends) of this rank's calls."""
     import keras_tuner as kt
     import numpy as np
@@ -55,9 +55,9 @@ def _sleep_search(trials, groups_seed, kill=None, record=None):
     spans = []
 
     def fn(hp, comm):
-        # duration from the point: log-normal, median 0.4 s, sigma 0.6
+        # duration from the point: log-normal, median ``median`` s, sigma 0.6
         seed = int(hp["x"] * 1e9) % (2 ** 31)
-        duration = float(np.exp(np.log(0.4) + 0.6 * np.random.default_rng(seed).normal()))
+        duration = float(np.exp(np.log(median) + 0.6 * np.random.default_rng(seed).normal()))
         start = time.time()
         if record:
             with open(record, "a") as f:
@@ -82,18 +82,19 @@ def worker_groups(args):
     results = {}
     for item in args.trials.split(","):
         name, trials = item.split("=")
-        results[name] = _utilisation(int(trials))
+        # --quick: trials of 0.1 s (median), not 0.4 s: a smoke run of the same figures
+        results[name] = _utilisation(int(trials), 0.1 if args.quick else 0.4)
     results["layouts"] = _layouts(args)
     from mpi4py import MPI
 
     _common.emit(results, MPI.COMM_WORLD.Get_rank())
 
 
-def _utilisation(trials):
+def _utilisation(trials, median):
     """Busy and idle fractions of a sleep search's groups (the result on rank 0, else None)."""
     from mpi4py import MPI
 
-    begin, end, spans = _sleep_search(trials, 1)
+    begin, end, spans = _sleep_search(trials, 1, median=median)
     every = MPI.COMM_WORLD.gather(spans, root=0)
     if MPI.COMM_WORLD.Get_rank() == 0:
         flat = [s for rank in every for s in rank]
@@ -177,7 +178,7 @@ def _layouts(args):
 
         world.Barrier()
         begin = time.time()
-        _, best = hpo.minimize(fn, space, oracle="random", max_trials=4 if args.quick else 16,
+        _, best = hpo.minimize(fn, space, oracle="random", max_trials=2 if args.quick else 16,
                                ranks_per_trial=k, seed=3)
         end = time.time()
         every = [r for rank in world.allgather(reached) for r in rank]
@@ -258,7 +259,7 @@ def main():
     from matex import launcher
 
     # --quick: 4 ranks (not 8) and fewer trials, a smoke run of the same measurements;
-    # layouts --quick: 4 x 1, 2 x 2, 1 x 4, 4 short trials. One job runs the utilisation
+    # layouts --quick: 4 x 1, 2 x 2, 1 x 4, 2 short trials. One job runs the utilisation
     # searches and the layouts (each rank starts TensorFlow once, not three times).
     groups = 4 if args.quick else 8
     trials = ",".join("%s=%d" % (name, groups * per_group) for name, per_group in (
