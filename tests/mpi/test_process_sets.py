@@ -108,6 +108,11 @@ def test_objects_and_variables_within_sets(halves):
     v = tf.Variable(float(R))
     hvd.broadcast_variables([v], root_rank=root, process_set=ps)
     assert float(v.numpy()) == float(root)
+    # IndexedSlices: gathered over the set, averaged by its size (Horovod)
+    rows = tf.IndexedSlices(tf.constant([[float(R)]]), tf.constant([R]), tf.constant([N, 1]))
+    got = hvd.allreduce(rows, op=hvd.Average, process_set=ps)
+    assert got.indices.numpy().tolist() == members
+    np.testing.assert_allclose(got.values.numpy().ravel(), [m / len(members) for m in members])
 
 
 def test_gradients_stay_within_the_set(halves):
