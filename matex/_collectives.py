@@ -161,17 +161,41 @@ def _check_bool(tensor, op, what):
                         "(logical or) and product, not %r" % (what, op))
 
 
+# 8- and 16-bit integers are summed, averaged and multiplied in int32: Open MPI's op/avx
+# component saturates their MPI_SUM on vectors long enough for its AVX path (127 + 127 =
+# 127 as int8; shorter vectors wrap), open-mpi/ompi #8045, closed as wontfix. Cast back,
+# a sum or product in int32 wraps exactly as one in the narrow type would (2^8 and 2^16
+# divide 2^32); an average is the exact mean, truncated.
+_NARROW_INTEGERS = (tf.int8, tf.uint8, tf.int16, tf.uint16)
+
+
+def _widened(tensors, op):
+    """``(tensors, dtypes)``: the narrow integer tensors of a sum, average or product as
+    int32 (with their own dtypes, to cast the results back), the others as they are."""
+    dtypes = [t.dtype for t in tensors]
+    if op not in ("sum", "average", "product"):
+        return list(tensors), dtypes
+    return [tf.cast(t, tf.int32) if t.dtype in _NARROW_INTEGERS else t for t in tensors], dtypes
+
+
+def _narrowed(results, dtypes):
+    return [r if r.dtype == d else tf.cast(r, d) for r, d in zip(results, dtypes)]
+
+
 def _reduce_one(what, tensor, op, name, comm, prescale_factor, postscale_factor):
     """One tensor through the ``matex_<what>`` reduction op: checked, then scaled if asked."""
     _check_op(op)
     tensor = _as_tensor(tensor, what)
     _check_bool(tensor, op, what)
     make = getattr(_ops(), "matex_" + what)
+    (tensor,), dtypes = _widened([tensor], op)
     if prescale_factor != 1.0 or postscale_factor != 1.0:
-        return _scaled_reduce(
+        result = _scaled_reduce(
             lambda ts, kind: [_issue(make, ts[0], reduce_op=kind, comm=int(comm), name=name)],
             [tensor], op, prescale_factor, postscale_factor, comm)[0]
-    return _issue(make, tensor, reduce_op=op, comm=int(comm), name=name)
+    else:
+        result = _issue(make, tensor, reduce_op=op, comm=int(comm), name=name)
+    return _narrowed([result], dtypes)[0]
 
 
 @_run_as_is
@@ -185,7 +209,9 @@ def allreduce(tensor: tf.Tensor, op: str = "average", name: str | None = None,
         uint8, int8, uint16, int16 or bool, of the same shape on every rank.
       op: "sum", "average" (the sum divided by the number of ranks at the time
         the op runs; integers truncate), "min", "max" or "product" (MPI_PROD;
-        its gradient is exact, with zeros too). Small integers wrap as C's do;
+        its gradient is exact, with zeros too). 8- and 16-bit integers are
+        reduced in int32 (Open MPI's AVX code saturates their sums): a sum or
+        product wraps as C's does, an average is the exact mean, truncated;
         bool tensors take min (and), max (or) and product (and) only.
       comm: the communicator slot (``matex._runtime.register_comm``); 0, the
         default, is the data communicator ``matex.comm()``.
@@ -234,13 +260,16 @@ def grouped_allreduce(tensors: Sequence[tf.Tensor], op: str = "average", name: s
     tensors = [_as_tensor(t, "grouped_allreduce") for t in tensors]
     if tensors:
         _check_bool(tensors[0], op, "grouped_allreduce")
+    tensors, dtypes = _widened(tensors, op)
     if prescale_factor != 1.0 or postscale_factor != 1.0:
-        return _scaled_reduce(
+        results = _scaled_reduce(
             lambda ts, kind: _issue(_ops().matex_grouped_allreduce, ts, reduce_op=kind,
                                     comm=int(comm), name=name),
             tensors, op, prescale_factor, postscale_factor, comm)
-    return _issue(_ops().matex_grouped_allreduce, tensors, reduce_op=op, comm=int(comm),
-                  name=name)
+    else:
+        results = _issue(_ops().matex_grouped_allreduce, tensors, reduce_op=op, comm=int(comm),
+                         name=name)
+    return _narrowed(results, dtypes)
 
 
 def _scale(tensor, factor):

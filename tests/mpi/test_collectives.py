@@ -338,12 +338,27 @@ def test_allreduce_product_and_small_dtypes(mode):
         assert_reduced(grouped, np_reduce("product", stack, dtype)[0], dtype, dtype.name)
 
 
-def test_small_integers_wrap_as_c_does():
-    x = tf.constant([100, -100], tf.int8)
-    np.testing.assert_array_equal(matex.allreduce(x, "sum").numpy(),
-                                  np.array([100 * N, -100 * N]).astype(np.int8))
-    u = tf.constant([200], tf.uint8)
-    assert matex.allreduce(u, "sum").numpy()[0] == (200 * N) % 256
+@pytest.mark.parametrize("length", [2, 256], ids=["short", "long"])
+def test_small_integers_wrap_as_c_does(length):
+    """A sum or product of 8/16-bit integers wraps, an average is the exact truncated mean,
+    for vectors long enough for Open MPI's AVX code too (which saturates their sums)."""
+    for dtype, value in ((tf.int8, 100), (tf.uint8, 200), (tf.int16, 30000), (tf.uint16, 60000)):
+        mine = np.resize(np.array([value, -value if dtype.min < 0 else 3, 7]) + R, length)
+        stack = np.stack([np.resize(np.array([value, -value if dtype.min < 0 else 3, 7]) + r,
+                                    length) for r in range(N)]).astype(np.int64)
+        x = tf.constant(mine.astype(dtype.as_numpy_dtype))
+        wrap = dtype.as_numpy_dtype
+        for op, want in (("sum", stack.sum(0).astype(wrap)),
+                         ("product", np.prod(stack, 0).astype(wrap)),
+                         ("average", np.trunc(stack.sum(0) / N).astype(wrap))):
+            got = matex.allreduce(x, op)
+            assert got.dtype == dtype
+            np.testing.assert_array_equal(got.numpy(), want, err_msg="%s %s" % (dtype.name, op))
+            grouped = _collectives.grouped_allreduce([x, tf.constant([1], tf.int32)], op=op)
+            np.testing.assert_array_equal(grouped[0].numpy(), want, err_msg=dtype.name)
+        rows = matex.reducescatter(np.tile(mine.astype(wrap), (N, 1)), op="sum")
+        np.testing.assert_array_equal(rows.numpy()[0], stack.sum(0).astype(wrap),
+                                      err_msg=dtype.name)
 
 
 @pytest.mark.parametrize("mode", MODES)
@@ -588,10 +603,11 @@ def test_flight_recorder_names_alltoall_reducescatter_and_new_dtypes():
     core = _runtime._core()
     if core.flight_capacity() == 0:
         pytest.skip("flight recorder off")
-    matex.reducescatter(tf.ones([N, 2], tf.int8), op="product")
+    # min: a sum or product of 8/16-bit integers travels as int32 (test_small_integers_wrap...)
+    matex.reducescatter(tf.ones([N, 2], tf.int8), op="min")
     matex.alltoall(tf.ones([N], tf.bool))
     ops = [_recorder._entry(e)["op"] for e in core.flight_entries()[-2:]]
-    assert ops == ["reducescatter(product) of int8[%d,2]" % N, "alltoall of bool[%d]" % N]
+    assert ops == ["reducescatter(min) of int8[%d,2]" % N, "alltoall of bool[%d]" % N]
 
 
 def test_order_is_program_order_inside_tf_function():
