@@ -1,5 +1,6 @@
 """Run pytest suites under a real mpiexec and check every rank's report."""
 
+import json
 import os
 import subprocess
 import sys
@@ -77,3 +78,22 @@ def check_reports(report_dir, nranks, proc):
     assert count > 0, "no test ran\n" + log
     assert proc.returncode == 0, "mpiexec exited %d\n%s" % (proc.returncode, log)
     return count
+
+
+def check_groups(report_dir, proc, groups):
+    """``check_reports`` for each group of a ``tests/scripts/suite_layouts.py`` job, plus
+    its group.json: the suites ran on a communicator of that size and those world ranks.
+
+    ``groups`` maps a group's folder (``"<layout>-<group>"``) to its world ranks. Every
+    group is checked before one AssertionError lists them all; returns {folder: count}.
+    """
+    errors, counts = [], {}
+    for group, ranks in groups.items():
+        try:
+            counts[group] = check_reports(Path(report_dir) / group, len(ranks), proc)
+            seen = json.loads((Path(report_dir) / group / "group.json").read_text())
+            assert seen == {"size": len(ranks), "world_ranks": list(ranks)}, seen
+        except (AssertionError, OSError) as exc:
+            errors.append("%s, %d rank(s): %s" % (group, len(ranks), exc))
+    assert not errors, "\n\n".join(errors)
+    return counts

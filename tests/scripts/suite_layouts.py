@@ -1,6 +1,6 @@
 """Run pytest suites of tests/mpi at several rank counts in one MPI job.
 
-Usage (under mpiexec): suite_layouts.py REPORT_DIR LAYOUTS FILE...
+Usage (under mpiexec): suite_layouts.py REPORT_DIR LAYOUTS FILE... [-- LAYOUTS FILE...]...
 
 LAYOUTS is ``;``-separated layouts, each a ``,``-separated list of group sizes
 (``4;3,1;2``: the whole world of 4, then groups of 3 and 1 side by side, then
@@ -11,6 +11,9 @@ resilience layer installs one after a shrink), so ``matex.rank()``,
 REPORT_DIR/<layout index>-<group index>/rank<world rank>.xml
 (``mpitools.check_reports`` reads them), and the group's rank 0 writes there
 group.json: the size and world ranks of the communicator the suites ran on.
+Stanzas after ``--`` run other files on their own layouts, in order (a suite
+that must come after another in a process, as ``matex.keras``'s patch of
+Keras requires, goes in a later stanza); layout indices count on across them.
 Each rank starts Python, TensorFlow and MaTEx once for all layouts, instead of
 once per rank count.
 """
@@ -46,14 +49,20 @@ def _wait_for_all(comm):
 
 
 def main():
-    report_dir, layouts, files = sys.argv[1], sys.argv[2], sys.argv[3:]
+    report_dir, stanzas = sys.argv[1], [[]]
+    for arg in sys.argv[2:]:
+        if arg == "--":
+            stanzas.append([])
+        else:
+            stanzas[-1].append(arg)
+    runs = [(layout, stanza[1:]) for stanza in stanzas for layout in stanza[0].split(";")]
     world = MPI.COMM_WORLD
     rank = world.Get_rank()
     matex.comm()   # MaTEx's own communicators, before any is replaced
     failed = 0
-    for index, layout in enumerate(layouts.split(";")):
+    for index, (layout, files) in enumerate(runs):
         sizes = [int(s) for s in layout.split(",")]
-        assert sum(sizes) <= world.Get_size(), layouts
+        assert sum(sizes) <= world.Get_size(), layout
         starts = [sum(sizes[:g]) for g in range(len(sizes))]
         group = next((g for g, start in enumerate(starts) if start <= rank < start + sizes[g]),
                      None)
