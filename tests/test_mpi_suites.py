@@ -35,7 +35,9 @@ def test_collectives_and_keras_api_on_3_and_2_ranks(tmp_path):
     in 4 jobs. The 3-rank job (tests/scripts/suite_layouts.py) runs the collectives suites
     on 3 ranks, then the keras_api suites on 3, then on 2 (ranks 0-1 on a sub-communicator
     installed as MaTEx's, rank 2 waiting): matex.keras patches Keras once imported, so the
-    keras_api suites come after the others. The collectives suites run once per process:
+    keras_api suites come after the others, in a later pytest run (one pytest over both
+    would import test_keras_api, hence matex.keras, while collecting, before test_training's
+    XLA tests, which then fail). The collectives suites run once per process:
     test_training imports matex.keras (test_fit_does_not_read_the_step_counter...), after
     which its XLA tests (test_xla_split_matches_plain_step, the xla-split fit) meet the
     patched metrics' allreduce inside the jit-compiled step and fail. So they run on 2 ranks
