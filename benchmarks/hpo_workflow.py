@@ -9,13 +9,14 @@ and layouts in one, the failure's two searches under ULFM in the other):
   log-normal duration (so it measures the scheduler, not the CPU): busy-time
   fraction of the groups between the first trial's start and the last one's
   end, for a short search (12 trials per group) and a long one (100 per
-  group). Target >= 97 %, on the long search. (``--quick``: 4 groups, 4 and
-  12 trials per group, median 0.1 s instead of 0.4 s.) The idle time is split into hand-offs (between two
-  trials of a group) and the drain at the end (groups with nothing left to
-  run while the last trials finish). The drain is a property of the search's
-  length, not of the scheduler: with 12 trials per group it alone costs
-  about 5 %, which is why the target is checked on a search long enough for
-  the hand-offs to dominate (DeepHyper's figure is for searches of hours).
+  group). Target >= 97 %, on the long search. (``--quick``: 4 groups, 4 and 12
+  trials per group, median 0.1 s instead of 0.4 s.) The idle time is split
+  into hand-offs (between two trials of a group) and the drain at the end
+  (groups with nothing left to run while the last trials finish). The drain is
+  a property of the search's length, not of the scheduler: with 12 trials per
+  group it alone costs about 5 %, which is why the target is checked on a
+  search long enough for the hand-offs to dominate (DeepHyper's figure is for
+  searches of hours).
 * ``layouts``: one small Keras search (same seed, same trial budget) done
   8 x 1, 4 x 2 and 1 x 8 ranks per trial on 8 ranks (``--quick``: 4 x 1,
   2 x 2 and 1 x 4 on 4 ranks, 2 trials of 2 epochs): wall time until a trial
