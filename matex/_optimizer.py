@@ -352,6 +352,21 @@ def DistributedOptimizer(optimizer: keras.optimizers.Optimizer | type | str,
 
 # ---- XLA: keep forward/backward compiled, reduce outside the cluster --------
 
+_xla_part = threading.local()   # .active: the XLA part of a split step is being traced
+
+
+def in_compiled_part() -> bool:
+    """Whether the XLA-compiled part of a split step is being traced. No collective can run
+    there: a caller with its own reduction (exact global metrics) calls
+    ``defer_to_outer_step`` and returns local values; the step redoes it outside."""
+    return getattr(_xla_part, "active", False)
+
+
+def defer_to_outer_step() -> None:
+    """Ask the split step to recompute its logs (``get_metrics_result``) outside XLA."""
+    _xla_part.deferred = True
+
+
 def _split_xla_step(model):
     """A train step whose compute is XLA-compiled and whose allreduce is not."""
     optimizer = model.optimizer
@@ -360,11 +375,14 @@ def _split_xla_step(model):
 
     def compute(data):
         state.capture = []
+        _xla_part.active, _xla_part.deferred = True, False
         try:
             logs = model.train_step(data)
             captured = state.capture
+            traced["deferred"] = _xla_part.deferred
         finally:
             state.capture = None
+            _xla_part.active = _xla_part.deferred = False
         grads, variables = captured[0] if captured else ([], [])
         traced["present"] = [i for i, g in enumerate(grads) if g is not None]
         traced["variables"] = list(variables)
@@ -384,6 +402,8 @@ def _split_xla_step(model):
                     optimizer.apply(grads, variables)
             else:
                 optimizer.apply(grads, variables)
+        if traced.get("deferred"):   # the metrics' reduction, after the update, outside XLA
+            logs = model.get_metrics_result()
         return logs
 
     return step

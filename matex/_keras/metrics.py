@@ -5,7 +5,7 @@ import functools
 import keras
 import tensorflow as tf
 
-from matex import _collectives, _compat, _fusion, _runtime
+from matex import _collectives, _compat, _fusion, _optimizer, _runtime
 
 
 # True while an eager (end-of-loop) reduction of metric states is under way: a
@@ -23,6 +23,9 @@ def get_metrics_result(original):
     def result(self):
         variables = [v for m in self.metrics for v in m.variables]
         if not variables:
+            return original(self)
+        if _optimizer.in_compiled_part():   # jit_compile: summed by the step, outside XLA
+            _optimizer.defer_to_outer_step()
             return original(self)
         local = [tf.identity(tf.convert_to_tensor(v)) for v in variables]
         global summing_after_data

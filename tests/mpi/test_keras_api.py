@@ -397,3 +397,26 @@ def test_step_states_are_those_that_joined():
     states = _recovery.model_states(m)
     assert [type(s) for s in states] == [_recovery.VariablesState, RollbackState, Counter]
     assert states[1].variables is states[0].variables   # a rollback puts the model back too
+
+
+def test_jit_compiled_fit_reports_exact_global_metrics():
+    """jit_compile=True under matex.keras: the step's compute is XLA-compiled and the
+    reduction is not; the metrics' global sum (no collective can run inside XLA) is done
+    by the step outside. Before, fit failed: "No registered 'MatexGroupedAllreduce'
+    OpKernel for XLA_CPU_JIT"."""
+    rng = np.random.default_rng(3)
+    x = rng.normal(size=(96, 4)).astype("float32")
+    y = (x[:, :2].sum(1) > x[:, 2:].sum(1)).astype("int64")
+    histories = {}
+    for jit in (False, True):
+        keras.utils.set_random_seed(5)
+        m = keras.Sequential([keras.Input((4,)), keras.layers.Dense(8, activation="relu"),
+                              keras.layers.Dense(2)])
+        m.compile(keras.optimizers.SGD(0.1),
+                  keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+                  metrics=["accuracy"], jit_compile=jit)
+        histories[jit] = m.fit(x, y, batch_size=24, epochs=3, shuffle=False, verbose=0).history
+        # exact global metrics: every rank reports the same numbers
+        assert gather(histories[jit]["accuracy"]) == [histories[jit]["accuracy"]] * N
+    np.testing.assert_allclose(histories[True]["accuracy"], histories[False]["accuracy"])
+    np.testing.assert_allclose(histories[True]["loss"], histories[False]["loss"], rtol=1e-5)
