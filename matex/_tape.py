@@ -12,7 +12,23 @@ from matex.compression import _reduce
 if TYPE_CHECKING:
     from matex.compression import Compressor
 
-_classes = {}
+_classes: dict = {}   # (mixin, tape class) -> their subclass
+
+
+def mix_in(tape: tf.GradientTape, mixin: type) -> tf.GradientTape:
+    """``tape``, converted in place to a subclass with ``mixin`` first (made once per class).
+
+    Converting keeps the recording the user's ``with`` block made, whatever tape
+    subclass it is; a tape converted already is left as it is.
+    """
+    if not isinstance(tape, tf.GradientTape):
+        raise TypeError("DistributedGradientTape needs a tf.GradientTape, got %r" % (tape,))
+    cls = type(tape)
+    if not issubclass(cls, mixin):
+        if (mixin, cls) not in _classes:
+            _classes[mixin, cls] = type(cls.__name__, (mixin, cls), {})
+        tape.__class__ = _classes[mixin, cls]
+    return tape
 
 
 class _DistributedTapeMixin:
@@ -57,13 +73,7 @@ def DistributedGradientTape(tape: tf.GradientTape, op: str = "average",
     if op not in ("average", "sum", "adasum"):
         raise ValueError("DistributedGradientTape op must be 'average', 'sum' or 'adasum', "
                          "not %r" % op)
-    if not isinstance(tape, tf.GradientTape):
-        raise TypeError("DistributedGradientTape needs a tf.GradientTape, got %r" % (tape,))
-    cls = type(tape)
-    if not issubclass(cls, _DistributedTapeMixin):
-        if cls not in _classes:
-            _classes[cls] = type(cls.__name__, (_DistributedTapeMixin, cls), {})
-        tape.__class__ = _classes[cls]
+    mix_in(tape, _DistributedTapeMixin)
     compressor = (_compression.from_environment() if compression is None
                   else _compression.from_spec(compression))
     if op == "adasum" and compressor is not None:

@@ -26,7 +26,7 @@ from typing import Any
 
 import tensorflow as tf
 
-from matex import _collectives, _commit, _compat
+from matex import _collectives, _commit, _compat, _tape
 from matex.compression import _reduce
 from matex.horovod import _join
 
@@ -227,17 +227,8 @@ class _HorovodTapeMixin:
                 [p for p in pairs if not self._hvd.is_local(p[0])])
 
 
-_tape_classes: dict[type, type] = {}
-
-
 def horovod_tape(tape: tf.GradientTape, reduction: HorovodReduction) -> tf.GradientTape:
     """``tape`` (converted in place) whose ``gradient`` reduces as ``reduction`` says."""
-    if not isinstance(tape, tf.GradientTape):
-        raise TypeError("DistributedGradientTape needs a tf.GradientTape, got %r" % (tape,))
-    cls = type(tape)
-    if not issubclass(cls, _HorovodTapeMixin):
-        if cls not in _tape_classes:
-            _tape_classes[cls] = type(cls.__name__, (_HorovodTapeMixin, cls), {})
-        tape.__class__ = _tape_classes[cls]
+    _tape.mix_in(tape, _HorovodTapeMixin)
     tape._hvd = reduction
     return tape
