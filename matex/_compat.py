@@ -53,6 +53,7 @@ REQUIRED = (
     ("keras.src.backend.common.variables", "Variable.__int__"),
     ("keras.src.backend.common.variables", "Variable.__float__"),
     ("tensorflow.python.distribute.distribute_lib", "_get_default_strategy"),
+    ("tensorflow.python.client.session", "BaseSession.run"),   # matex.legacy's run hooks
     # streaming a whole model into one .keras file (keras_file_layout, weightless_build)
     ("keras.src.saving.saving_lib", "_save_state"),
     ("keras.src.saving.saving_lib", "_serialize_model_as_json"),
@@ -225,6 +226,11 @@ def tf_trainer_class():
 def keras_variable_class():
     """Keras's backend-independent ``Variable`` (its ``__int__``/``__float__``)."""
     return _resolve("keras.src.backend.common.variables", "Variable")
+
+
+def tf1_base_session_class():
+    """TensorFlow's ``BaseSession``: ``Session`` and ``InteractiveSession`` run through it."""
+    return _resolve("tensorflow.python.client.session", "BaseSession")
 
 
 def base_optimizer_class():
