@@ -32,15 +32,19 @@ test: ops
 	$(PY) -m ruff check .
 	$(PY) -m pytest -q --durations=25 tests
 
+# the CLI and environment reference pages are generated from the code first
 docs: $(STAMP)
+	$(PY) docs/hooks/reference.py
 	$(PY) -m mkdocs build --strict --site-dir build/site
 
+# every benchmark of benchmarks/ (hours on a small machine): the drivers launch their own
+# mpiexec; the two Horovod-API benchmarks run under matexrun
+BENCH_DRIVERS := $(filter-out benchmarks/_% benchmarks/elastic_commit.py \
+                   benchmarks/horovod_join.py,$(sort $(wildcard benchmarks/*.py)))
 bench: ops
-	$(PY) benchmarks/allreduce.py
-	$(PY) benchmarks/small_tensors.py
-	$(PY) benchmarks/training_step.py
-	$(PY) benchmarks/readers.py
-	$(PY) benchmarks/fault_recovery.py
+	@set -e; for driver in $(BENCH_DRIVERS); do echo "== $$driver"; $(PY) $$driver; done
+	$(VENV)/bin/matexrun --horovod -n 2 benchmarks/horovod_join.py
+	$(VENV)/bin/matexrun --horovod -n 2 benchmarks/elastic_commit.py
 
 # an sdist and a wheel in dist/ (the ops are compiled on first use, not here)
 dist: $(STAMP)

@@ -1,11 +1,118 @@
 """Every ``MATEX_*`` setting read from the environment, in one place.
 
+``VARIABLES`` is the registry: each ``MATEX_*`` variable with its default and
+meaning (docs/reference/environment.md is generated from it). The accessors
+below read through ``_get``, which refuses a ``MATEX_*`` name the registry
+lacks, so a variable cannot exist without its entry.
+
 Each function reads the variable when called (a launcher or test may set it
 after import) and turns a bad value into a ``ValueError`` naming the variable.
 Nothing here imports MPI or TensorFlow.
 """
 
 import os
+from typing import NamedTuple
+
+
+class Variable(NamedTuple):
+    """One registered environment variable."""
+
+    name: str
+    default: str      # as the user would write it; "" for unset
+    meaning: str      # one paragraph of Markdown
+    scope: str        # "user": set it yourself; "matexrun": matexrun sets it for the ranks
+                      # (you may too); "internal": launcher-to-rank plumbing; "tests": the
+                      # test suite and benchmarks only
+
+
+VARIABLES: dict = {}
+
+
+def _register(name: str, default: str, meaning: str, scope: str = "user") -> str:
+    VARIABLES[name] = Variable(name, default, " ".join(meaning.split()), scope)
+    return name
+
+
+_register("MATEX_SCALING", "strong", """`fit`'s scaling when the script passes no `scaling=`:
+    `strong` (the script's global batch and learning rate, split over the ranks) or `weak`
+    (the script's batch per rank, learning rate ramped to N x over the first epoch).""")
+_register("MATEX_FUSION_THRESHOLD", "16777216", """Bytes per fused gradient bucket (one
+    allreduce per bucket); `0` sends each gradient alone. `matexrun --fusion-threshold-mb`
+    sets it.""", "matexrun")
+_register("MATEX_COMPRESSION", "", """Gradient compression `DistributedOptimizer` uses when
+    the script names none (`matex.keras`, `python -m matex`): `none`, `fp16`, `bf16`,
+    `topk:RATIO`, `randomk:RATIO` (RATIO in (0, 1]), `powersgd:RANK`.""")
+_register("MATEX_START_TIMEOUT", "600", """Seconds every rank has to reach MaTEx's start
+    (starting is collective); after that the ranks that did start raise an error instead of
+    hanging. `matexrun --start-timeout` sets it.""", "matexrun")
+_register("MATEX_CHECKPOINT_DIR", "", """Where `fit` keeps the checkpoints a restarted job
+    resumes from, and `hvd.elastic` its commits. `matexrun --restart`/`--elastic` set it from
+    `--checkpoint-dir`.""", "matexrun")
+_register("MATEX_INJECT_FAULT", "", """Planned faults for testing recovery, e.g.
+    `rank=2,step=30,kind=kill` (several separated by `;`; kinds `kill`, `exception`, `hang`).
+    `matexrun --inject-fault` sets it.""", "matexrun")
+_register("MATEX_RANKS_PER_TRIAL", "", """Hyperparameter search: ranks that train one trial
+    together (must divide the rank count); unset: all ranks. `matexrun --ranks-per-trial`
+    sets it.""", "matexrun")
+_register("MATEX_TIMELINE", "", """Directory where each rank writes its Chrome-trace
+    timeline (`timeline-rank<N>.json`); unset: no timeline. `matexrun --timeline` sets
+    it.""", "matexrun")
+_register("MATEX_TIMELINE_STEPS", "", """With a timeline: the training steps it records,
+    `FIRST-LAST` (both included) or one step; unset: all. `matexrun --timeline-steps`
+    sets it.""", "matexrun")
+_register("MATEX_MONITOR", "", """`1`: rank 0 prints the job's samples/s, slowest rank and
+    allreduce share during `fit`. `matexrun --monitor` sets it.""", "matexrun")
+_register("MATEX_MONITOR_INTERVAL", "10", "Seconds between the monitor's lines.")
+_register("MATEX_FLIGHT_DIR", "matex-flight", """Where flight-recorder dumps
+    (`rank<N>.json`) and stall reports go.""")
+_register("MATEX_FLIGHT_ENTRIES", "1024", """Collectives the flight recorder keeps per rank;
+    `0` records none.""")
+_register("MATEX_STALL_WARNING_S", "60", """Seconds a collective may wait for the other ranks
+    before each waiting rank reports the stall; `0` turns the stall inspector off.""")
+_register("MATEX_STALL_ABORT_S", "0", """Seconds after which a stalled collective ends the
+    job (with the stall report and flight dumps); `0`: never.""")
+_register("MATEX_READER_MEMORY", "", """A `matex.readers.DataSet`'s memory budget per rank,
+    e.g. `512M`, `2G`; unset: a quarter of the node's memory shared by its ranks, at most
+    4 GiB per rank.""")
+_register("MATEX_BUILD_DIR", "", """Where the compiled ops are cached (share it between
+    nodes); unset: under the virtual environment (`share/matex/build`).""")
+_register("MATEX_MPI_INCLUDE", "", """The directory holding the MPI's `mpi.h`, when the op
+    build does not find it.""")
+_register("MATEX_MPIEXEC", "", """The `mpiexec` matexrun runs; unset: the one of the MPI
+    library mpi4py uses.""")
+_register("MATEX_HOROVOD_JOIN", "1", """`0` turns off the small allreduce that announces each
+    Horovod-API reduction (`hvd.join()` then works only where every rank joins at the same
+    point).""")
+_register("MATEX_ELASTIC_WRITE_EVERY", "1", """`hvd.elastic`: rank 0 writes every N-th
+    commit to `MATEX_CHECKPOINT_DIR` (a host loss then resumes from up to N - 1 commits
+    back).""")
+STATUS_DIR_VAR = _register("MATEX_STATUS_DIR", "", """Set by `matexrun --ft` for the ranks:
+    the directory where a failing rank leaves its status for the launcher.""", "internal")
+RELAUNCHED_FROM_VAR = _register("MATEX_RELAUNCHED_FROM", "", """Set by `matexrun --ft` when
+    it relaunched the job on fewer ranks (a rank died while MPI started): the rank count of
+    the first launch.""", "internal")
+# the test suite's and benchmarks' own (read by tests/ and benchmarks/, not by matex)
+for _name, _default, _meaning in (
+        ("MATEX_TEST_REPORT_DIR", "", "Where per-rank test suites leave their reports."),
+        ("MATEX_TEST_TIMEOUT", "180", "Seconds a per-rank test may run."),
+        ("MATEX_TEST_NETNS", "", "`0` skips the network-namespace cluster tests."),
+        ("MATEX_TEST_SYSMPI", "", "`0` skips the tests against the system's MPI libraries."),
+        ("MATEX_TEST_SEARCH_AGAIN", "", "Test script: run the search again with N trials."),
+        ("MATEX_TEST_KILL_IN_BUILD", "", "Test script: the rank killed while building a model."),
+        ("MATEX_TEST_OWNER_DIES_IN_DRAIN", "", "Test script: kill a trial's owner in the drain."),
+        ("MATEX_CHAOS_RUNS", "2", "Runs per chaos-campaign workload."),
+        ("MATEX_CHAOS_SEED", "1", "The chaos campaign's seed (`random`: drawn)."),
+        ("MATEX_CHAOS_WORKLOADS", "", "The chaos campaign's workloads (comma-separated)."),
+        ("MATEX_PIPELINE_SAVE_DIR", "", "Where pipeline tests save and compare models."),
+        ("MATEX_BENCH_DIR", "", "Where the reader benchmarks keep their files."),
+        ("MATEX_NETNS_SUBNET", "", "The network-namespace cluster's subnet."),
+        ("MATEX_NETNS_AGENT_LOG", "", "File the namespace launch agent logs to."),
+        ("MATEX_SYSMPI_CACHE", "~/.cache/matex/sysmpi", "Where system MPI builds are cached."),
+        ("MATEX_CLUSTER_DIR", "", "The cluster test's shared directory."),
+        ("MATEX_WAIT_FOR", "", "Cluster test: the host to wait for."),
+        ("MATEX_SSH_PORT", "", "Cluster test: the ssh port."),
+):
+    _register(_name, _default, _meaning, "tests")
 
 # (rank variable, size variables) of each launcher MaTEx knows, in this order: Open MPI,
 # PMI (MPICH's Hydra, Intel MPI), MVAPICH2, PMIx, Slurm's srun. Rank and size are read from
@@ -20,8 +127,15 @@ _LAUNCHERS = (
 )
 
 
-def _get(name: str, default: str = "") -> str:
-    return os.environ.get(name, default)
+def _get(name: str, default: str = "", env=None) -> str:
+    if name.startswith("MATEX_") and name not in VARIABLES:
+        raise KeyError("%s is not in matex._config.VARIABLES: register it there" % name)
+    return (os.environ if env is None else env).get(name, default)
+
+
+def variable(name: str) -> str:
+    """The value of registered ``MATEX_*`` variable ``name``, or "" when unset."""
+    return _get(name)
 
 
 def _number(name: str, default: float, kind=float, minimum=None):
@@ -109,12 +223,6 @@ def inject_fault_spec() -> str:
     return _get("MATEX_INJECT_FAULT")
 
 
-STATUS_DIR_VAR = "MATEX_STATUS_DIR"
-
-
-RELAUNCHED_FROM_VAR = "MATEX_RELAUNCHED_FROM"
-
-
 def relaunched_from() -> int | None:
     """The rank count ``matexrun --ft`` first launched this job with, when it relaunched
     it on fewer ranks (a rank died while MPI started); None otherwise."""
@@ -125,7 +233,7 @@ def relaunched_from() -> int | None:
 def status_dir(env=None):
     """``MATEX_STATUS_DIR`` (of ``env``, default the process's): where a failing rank
     leaves its status for the launcher (``matex._status``), or None."""
-    return (os.environ if env is None else env).get(STATUS_DIR_VAR) or None
+    return _get(STATUS_DIR_VAR, env=env) or None
 
 
 def build_dir():
@@ -145,10 +253,31 @@ def mpiexec():
 
 def reader_memory():
     """``MATEX_READER_MEMORY``: a DataSet's memory budget per rank ("512M", "2G"), or None."""
-    return os.environ.get("MATEX_READER_MEMORY")
+    return _get("MATEX_READER_MEMORY") or None
 
 
 DEFAULT_FUSION_THRESHOLD = 16 * 1024 * 1024
+
+
+def horovod_join() -> bool:
+    """``MATEX_HOROVOD_JOIN``: whether Horovod-API reductions announce themselves (not "0")."""
+    return _get("MATEX_HOROVOD_JOIN", "1") != "0"
+
+
+ELASTIC_WRITE_EVERY_VAR = "MATEX_ELASTIC_WRITE_EVERY"
+
+
+def elastic_write_every() -> int:
+    """``MATEX_ELASTIC_WRITE_EVERY``: rank 0 writes every N-th ``hvd.elastic`` commit (1)."""
+    value = _get(ELASTIC_WRITE_EVERY_VAR) or "1"
+    try:
+        every = int(value)
+    except ValueError:
+        every = 0
+    if every < 1:
+        raise ValueError("%s must be a positive integer, not %r"
+                         % (ELASTIC_WRITE_EVERY_VAR, value))
+    return every
 
 
 def fusion_threshold() -> int:

@@ -140,3 +140,228 @@ def test_readme_is_a_front_page():
     # its links to the manual resolve (relative, so they work on GitHub too)
     for target in re.findall(r"\]\((docs/[^)#\s]+)", "\n".join(lines)):
         assert (ROOT / target).exists(), target
+
+
+# --- every name a page gives exists in the code (import-free: argparse, the registry, AST) ---
+
+def _load_generator():
+    spec = importlib.util.spec_from_file_location("matex_docs_reference",
+                                                  ROOT / "docs" / "hooks" / "reference.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _pages() -> list[Path]:
+    """The manual's pages and the README (the changelog is history: it names what was)."""
+    pages = [p for p in sorted((ROOT / "docs").glob("**/*.md")) if p.name != "changelog.md"]
+    return pages + [ROOT / "README.md"]
+
+
+_FENCE = re.compile(r"^ *```[^\n]*\n(.*?)^ *```", re.M | re.S)
+
+
+def _code(text: str) -> list[str]:
+    """The code of ``text``: its fenced blocks' lines (continuations joined) and its inline
+    code spans."""
+    lines = []
+    for block in _FENCE.findall(text):
+        lines += block.replace("\\\n", " ").splitlines()
+    outside = _FENCE.sub("", text)
+    lines += re.findall(r"``?([^`\n]+)``?", outside)
+    return lines
+
+
+def _command_flags(line: str, command: str, takes_value) -> list[str]:
+    """The flags given to ``command`` on ``line`` (up to its script or module)."""
+    found = []
+    for match in re.finditer(r"(?:^|[\s;&|(`$])" + re.escape(command) + r"(?=\s)", line):
+        tokens = line[match.end():].split()
+        skip = False
+        for token in tokens:
+            if skip:
+                skip = False
+                continue
+            if not token.startswith("-") or token in ("-", "--") or token.startswith("-m"):
+                break               # the script (or -m MODULE): the rest is its own
+            flag = token.split("=", 1)[0]
+            found.append(flag)
+            skip = "=" not in token and takes_value(flag)
+    return found
+
+
+def _matexrun_options():
+    sys.path.insert(0, str(ROOT))
+    from matex.launcher.cli import build_parser
+
+    actions = {}
+    for action in build_parser()._actions:
+        for flag in action.option_strings:
+            actions[flag] = action
+    return actions
+
+
+def test_reference_pages_match_the_code():
+    # docs/reference/*.md are generated (make docs): the committed pages are what the
+    # generator writes from the argparse and the registry now
+    generated = _load_generator().generate()
+    for name, text in generated.items():
+        page = ROOT / "docs" / "reference" / name
+        assert page.is_file() and page.read_text(encoding="utf-8") == text, (
+            f"docs/reference/{name} is stale: run python docs/hooks/reference.py")
+
+
+def test_every_documented_flag_exists():
+    actions = _matexrun_options()
+    python_m_matex = _load_generator().python_m_matex_flags()
+    assert {"--ft", "--elastic", "-H", "--horovod"} <= set(actions), sorted(actions)
+    assert python_m_matex == {"--all-ranks", "--horovod", "-m", "--check", "--build"}
+
+    def takes_value(flag):
+        return flag in actions and actions[flag].nargs != 0
+
+    wrong, checked = [], 0
+    for page in _pages():
+        for line in _code(page.read_text(encoding="utf-8")):
+            for flag in _command_flags(line, "matexrun", takes_value):
+                checked += 1
+                if flag not in actions:
+                    wrong.append(f"{page.relative_to(ROOT)}: matexrun {flag} ({line.strip()})")
+            line = re.sub(r"python3? -m matex(?=\.)", "", line)   # python -m matex.timeline
+            for flag in _command_flags(line, "-m matex", lambda flag: False):
+                checked += 1
+                if flag not in python_m_matex:
+                    wrong.append(f"{page.relative_to(ROOT)}: python -m matex {flag}")
+    assert not wrong, "flags the code does not have:\n" + "\n".join(wrong)
+    assert checked > 40, checked
+
+
+def _registered() -> dict:
+    sys.path.insert(0, str(ROOT))
+    from matex import _config
+
+    return _config.VARIABLES
+
+
+def _variables_in(text: str) -> set[str]:
+    return set(re.findall(r"MATEX_[A-Z0-9_]+", text))
+
+
+def _unknown(names: set[str], registry) -> set[str]:
+    """Names not in ``registry``; ``MATEX_STALL_*`` (a prefix) must start a registered one."""
+    return {n for n in names if n not in registry
+            and not (n.endswith("_") and any(r.startswith(n) for r in registry))}
+
+
+def test_every_documented_variable_is_registered():
+    registry = _registered()
+    for page in _pages():
+        unknown = _unknown(_variables_in(page.read_text(encoding="utf-8")), registry)
+        assert not unknown, f"{page.relative_to(ROOT)} names unregistered {sorted(unknown)}"
+
+
+def test_every_variable_the_code_reads_is_registered():
+    # a MATEX_* name anywhere in the Python and shell code is in matex._config.VARIABLES
+    # (C++ macros in tf_ops/ and Python constants named MATEX_* are not variables)
+    registry = _registered()
+    for folder in ("matex", "readers", "benchmarks", "examples", "tests", "docker"):
+        for path in sorted((ROOT / folder).glob("**/*")):
+            if path.suffix not in (".py", ".sh", "") or not path.is_file():
+                continue
+            text = path.read_text(encoding="utf-8", errors="replace")
+            constants = set(re.findall(r"^\s*(MATEX_[A-Z0-9_]+)\s*=", text, re.M))
+            unknown = _unknown(_variables_in(text) - constants, registry)
+            assert not unknown, f"{path.relative_to(ROOT)} reads unregistered {sorted(unknown)}"
+
+
+def _module_names(dotted: str, depth: int = 0) -> set[str] | None:
+    """The names module ``dotted`` defines or exports (AST, no import), or None when it is
+    not a MaTEx module."""
+    path = _module_file(dotted)
+    if path is None:
+        return None
+    tree = ast.parse(path.read_text(encoding="utf-8"))
+    names = set()
+    for node in ast.walk(tree) if depth == 0 else tree.body:
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            names.add(node.name)
+        elif isinstance(node, (ast.Import, ast.ImportFrom)):
+            names |= {(a.asname or a.name).split(".")[0] for a in node.names}
+        elif isinstance(node, (ast.Assign, ast.AnnAssign, ast.AugAssign)):
+            targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+            names |= {t.id for t in targets if isinstance(t, ast.Name)}
+            for target in targets:
+                if getattr(target, "id", "") in ("__all__", "_LAZY") and node.value is not None:
+                    for const in ast.walk(node.value):
+                        if isinstance(const, ast.Constant) and isinstance(const.value, str):
+                            names.add(const.value)
+                    if isinstance(node.value, ast.Attribute) and node.value.attr == "OPTIONAL":
+                        names |= _optional_names(dotted)
+    if path.name == "__init__.py":
+        names |= {p.stem for p in path.parent.glob("*.py")}
+        names |= {p.name for p in path.parent.iterdir() if (p / "__init__.py").is_file()}
+    return names
+
+
+def _optional_names(dotted: str) -> set[str]:
+    """``_api.OPTIONAL``'s candidates (the Horovod collectives MaTEx may have)."""
+    source = (ROOT / "matex" / "horovod" / "_api.py").read_text(encoding="utf-8")
+    for node in ast.parse(source).body:
+        if isinstance(node, ast.Assign) and getattr(node.targets[0], "id", "") == "OPTIONAL":
+            return {c.value for c in ast.walk(node.value)
+                    if isinstance(c, ast.Constant) and isinstance(c.value, str)}
+    return set()
+
+
+def _resolves(dotted: str) -> bool:
+    """Whether ``matex.a.b...`` names a module, or a name defined in or exported by one (a
+    class's attribute when the class is defined there); deeper parts are not checked."""
+    parts = dotted.split(".")
+    module = parts[0]
+    for i, part in enumerate(parts[1:], 1):
+        if _module_file(module + "." + part) is not None:
+            module += "." + part
+            continue
+        names = _module_names(module)
+        return names is None or part in names
+    return True
+
+
+_HVD_MODULES = ("matex.horovod.tensorflow", "matex.horovod.tensorflow.keras",
+                "matex.horovod.keras")
+
+
+def test_every_named_matex_and_hvd_name_resolves():
+    hvd = set().union(*(_module_names(m, depth=1) for m in _HVD_MODULES))
+    wrong, checked = [], 0
+    for page in _pages():
+        text = page.read_text(encoding="utf-8")
+        text = re.sub(r"\]\([^)]*\)|https?://\S+", "", text)     # link targets, URLs
+        for name in set(re.findall(r"(?<![\w./\"'-])matex(?:\.[A-Za-z_]\w*)+", text)):
+            if "X" in name.split("."):     # a placeholder: `matex.X`
+                continue
+            checked += 1
+            if not _resolves(name):
+                wrong.append(f"{page.relative_to(ROOT)}: {name}")
+        for name in set(re.findall(r"(?<![\w.])hvd\.([A-Za-z_]\w*)(?:\.([A-Za-z_]\w*))?",
+                                   text)):
+            checked += 1
+            first, second = name
+            if first not in hvd:
+                wrong.append(f"{page.relative_to(ROOT)}: hvd.{first}")
+            elif second and first in ("elastic", "callbacks"):
+                inner = set().union(*(_module_names(m + "." + first, depth=1) or set()
+                                      for m in _HVD_MODULES))
+                if second not in inner:
+                    wrong.append(f"{page.relative_to(ROOT)}: hvd.{first}.{second}")
+    assert not wrong, "names the code does not have:\n" + "\n".join(sorted(wrong))
+    assert checked > 100, checked
+
+
+def test_every_named_script_exists():
+    # benchmark and example commands name files that exist
+    for page in _pages():
+        text = page.read_text(encoding="utf-8")
+        for target in set(re.findall(r"(?<![\w/])((?:benchmarks|examples)/[\w/.-]+\.(?:py|sh))",
+                                     text)):
+            assert (ROOT / target).is_file(), f"{page.relative_to(ROOT)} names {target}"

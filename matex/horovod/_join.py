@@ -30,14 +30,13 @@ only works when every rank joins at the same point.
 
 from __future__ import annotations
 
-import os
 import threading
 import zlib
 from typing import Any
 
 import tensorflow as tf
 
-from matex import _collectives, _runtime
+from matex import _collectives, _config, _runtime
 
 STATUS = 12          # int64 values of an announcement
 MAX_DIMS = STATUS - 6
@@ -50,7 +49,7 @@ _plans_lock = threading.Lock()
 
 def enabled() -> bool:
     """Whether reductions announce themselves (``MATEX_HOROVOD_JOIN`` unset or not 0)."""
-    return os.environ.get("MATEX_HOROVOD_JOIN", "1") != "0" and not getattr(
+    return _config.horovod_join() and not getattr(
         _local, "serving", False)
 
 

@@ -50,7 +50,7 @@ import numpy as np
 from matex import _config, _recovery, _runtime
 from matex._everywhere import on_every_rank
 
-WRITE_EVERY_VAR = "MATEX_ELASTIC_WRITE_EVERY"
+WRITE_EVERY_VAR = _config.ELASTIC_WRITE_EVERY_VAR
 
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -191,14 +191,7 @@ class ObjectState(State):
 
 
 def _write_every() -> int:
-    value = os.environ.get(WRITE_EVERY_VAR, "") or "1"
-    try:
-        every = int(value)
-    except ValueError:
-        every = 0
-    if every < 1:
-        raise ValueError("%s must be a positive integer, not %r" % (WRITE_EVERY_VAR, value))
-    return every
+    return _config.elastic_write_every()
 
 
 def state_file(func: Callable[..., Any]) -> str | None:

@@ -353,20 +353,8 @@ def _horovodrun_env(opts, parser) -> dict:
     return env
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    """Parse ``matexrun``'s arguments, start mpiexec, return the job's exit status."""
-    if "mpi4py.MPI" not in sys.modules:
-        # The launcher only looks at the MPI library (to find its mpiexec):
-        # initialising it would make this process an MPI singleton, slow to
-        # start and, under --ft (no MPI_Finalize), leaving a segment behind.
-        import mpi4py
-
-        mpi4py.rc.initialize = False
-    if threading.current_thread() is threading.main_thread() and hasattr(signal, "SIGUSR1"):
-        # `pkill -USR1 -f train.py` reaches matexrun too: it is no rank, it neither
-        # dumps (that would overwrite rank 0's dump) nor dies (orphaning mpiexec).
-        # A handler, not SIG_IGN: an ignored signal stays ignored in the ranks.
-        signal.signal(signal.SIGUSR1, _ignore_signal)
+def build_parser() -> argparse.ArgumentParser:
+    """``matexrun``'s argument parser (docs/reference/cli.md is generated from it)."""
     parser = argparse.ArgumentParser(
         prog="matexrun", description="Run a TensorFlow/Keras script on several MPI ranks.")
     parser.add_argument("-n", "--np", "-np", dest="nranks", type=int, default=None,
@@ -430,6 +418,24 @@ def main(argv: Sequence[str] | None = None) -> int:
                              "(instead of a script; what follows are its arguments)")
     parser.add_argument("script", nargs="?", help="the Python script to run")
     parser.add_argument("args", nargs=argparse.REMAINDER, help="the script's arguments")
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Parse ``matexrun``'s arguments, start mpiexec, return the job's exit status."""
+    if "mpi4py.MPI" not in sys.modules:
+        # The launcher only looks at the MPI library (to find its mpiexec):
+        # initialising it would make this process an MPI singleton, slow to
+        # start and, under --ft (no MPI_Finalize), leaving a segment behind.
+        import mpi4py
+
+        mpi4py.rc.initialize = False
+    if threading.current_thread() is threading.main_thread() and hasattr(signal, "SIGUSR1"):
+        # `pkill -USR1 -f train.py` reaches matexrun too: it is no rank, it neither
+        # dumps (that would overwrite rank 0's dump) nor dies (orphaning mpiexec).
+        # A handler, not SIG_IGN: an ignored signal stays ignored in the ranks.
+        signal.signal(signal.SIGUSR1, _ignore_signal)
+    parser = build_parser()
     opts = parser.parse_args(argv)
     if opts.build and not opts.check:
         parser.error("--build goes with --check")
