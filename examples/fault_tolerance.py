@@ -8,7 +8,8 @@ at its 20th training step. The survivors see the failure in a collective,
 shrink the communicator, take the new rank 0's weights and optimizer state,
 redo the step that failed and share the rest of the epoch among themselves:
 no sample is lost or trained twice, the global batch stays the same.
-Rank 0 prints the recovery and, at the end::
+Rank 0 prints the recovery and, at the end (with the defaults, 5 epochs of 4096 rows
+in global batches of 128: 5 x 32 = 160 steps)::
 
     rank(s) [1] lost: 3 -> 2 ranks, recovered in 0.080 s
     finished on 2 of 3 ranks  steps 160  weights equal on every survivor: True  accuracy 0.95

@@ -1,6 +1,6 @@
 """Distributed search over a plain function: ``matex.hpo.minimize``.
 
-    mpiexec -n 4 python examples/tune_minimize.py            # 4 trials at a time
+    mpiexec -n 4 python examples/tune_minimize.py            # 2 trials at a time
     matexrun -n 4 examples/tune_minimize.py
 
 Rank 0 prints the best point found, e.g.
