@@ -125,13 +125,29 @@ def test_every_public_module_has_an_api_page(site):
 def test_manual_pages_and_images_are_in_the_site(site):
     for page in ("getting-started", "data-parallel", "readers", "fault-tolerance", "search",
                  "model-parallel", "communicating-less", "observability", "science", "hpc",
-                 "troubleshooting", "performance", "limitations", "development"):
+                 "troubleshooting", "performance", "limitations", "development", "errors",
+                 "reference/cli", "reference/environment"):
         assert (site / page / "index.html").is_file(), page
     built = " ".join(p.read_text(encoding="utf-8") for p in site.glob("**/index.html"))
     for image in ROOT.glob("docs/*.png"):
         assert (site / image.name).is_file(), image.name
         assert image.name in built, f"no page shows {image.name}"
 
+
+
+def test_error_index_lists_the_messages_the_code_raises(site):
+    # docs/errors.md's index is read from the source at build time (docs/hooks/errors_index.py)
+    spec = importlib.util.spec_from_file_location("matex_docs_errors",
+                                                  ROOT / "docs" / "hooks" / "errors_index.py")
+    index = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(index)
+    rows = index.messages()
+    assert len(rows) > 300, len(rows)
+    page = _text(site / "errors" / "index.html")
+    assert "The matex logger" in page or "the matex logger" in page.lower()
+    for module, _, kind, text in rows[::25]:
+        assert module in page and kind in page, (module, kind)
+        assert " ".join(text.split()[:4]) in page, text
 
 
 def test_readme_is_a_front_page():
