@@ -385,3 +385,13 @@ def test_every_named_script_exists():
         for target in set(re.findall(r"(?<![\w/])((?:benchmarks|examples)/[\w/.-]+\.(?:py|sh))",
                                      text)):
             assert (ROOT / target).is_file(), f"{page.relative_to(ROOT)} names {target}"
+
+
+def test_an_unregistered_variable_cannot_be_read():
+    sys.path.insert(0, str(ROOT))
+    from matex import _config
+
+    with pytest.raises(KeyError, match="MATEX_NOT_REGISTERED"):
+        _config._get("MATEX_NOT_REGISTERED")
+    assert all(v.scope in ("user", "matexrun", "internal", "tests") and v.meaning
+               for v in _config.VARIABLES.values())
