@@ -379,9 +379,15 @@ def test_every_named_matex_and_hvd_name_resolves():
 
 
 def test_every_named_script_exists():
-    # benchmark and example commands name files that exist
+    # benchmark and example commands name files that exist; `python -m matex.X` a runnable
+    # module (a module file, or a package with __main__.py)
     for page in _pages():
         text = page.read_text(encoding="utf-8")
+        for module in set(re.findall(r"python3? -m (matex\.[\w.]+)", text)):
+            path = _module_file(module)
+            runnable = path is not None and (path.name != "__init__.py"
+                                             or (path.parent / "__main__.py").is_file())
+            assert runnable, f"{page.relative_to(ROOT)}: python -m {module}"
         for target in set(re.findall(r"(?<![\w/])((?:benchmarks|examples)/[\w/.-]+\.(?:py|sh))",
                                      text)):
             assert (ROOT / target).is_file(), f"{page.relative_to(ROOT)} names {target}"
