@@ -233,7 +233,7 @@ def test_every_documented_flag_exists():
     actions = _matexrun_options()
     python_m_matex = _load_generator().python_m_matex_flags()
     assert {"--ft", "--elastic", "-H", "--horovod"} <= set(actions), sorted(actions)
-    assert python_m_matex == {"--all-ranks", "--horovod", "-m", "--check", "--build"}
+    assert {"--all-ranks", "--horovod", "-m", "--check", "--build"} <= python_m_matex
 
     def takes_value(flag):
         return flag in actions and actions[flag].nargs != 0
