@@ -100,6 +100,7 @@ for _name, _default, _meaning in (
         ("MATEX_TEST_SEARCH_AGAIN", "", "Test script: run the search again with N trials."),
         ("MATEX_TEST_KILL_IN_BUILD", "", "Test script: the rank killed while building a model."),
         ("MATEX_TEST_OWNER_DIES_IN_DRAIN", "", "Test script: kill a trial's owner in the drain."),
+        ("MATEX_TEST_EXPORT_DIR", "", "Where a graph-mode test exports its trained graph."),
         ("MATEX_CHAOS_RUNS", "2", "Runs per chaos-campaign workload."),
         ("MATEX_CHAOS_SEED", "1", "The chaos campaign's seed (`random`: drawn)."),
         ("MATEX_CHAOS_WORKLOADS", "", "The chaos campaign's workloads (comma-separated)."),
