@@ -186,7 +186,8 @@ def _code(text: str) -> list[str]:
     for block in _FENCE.findall(text):
         lines += block.replace("\\\n", " ").splitlines()
     outside = _FENCE.sub("", text)
-    lines += re.findall(r"``?([^`\n]+)``?", outside)
+    lines += [" ".join(span.split())           # a span may wrap onto the next line
+              for span in re.findall(r"``?([^`\n]+(?:\n[^`\n]+){0,3})``?", outside)]
     return lines
 
 
@@ -383,6 +384,9 @@ def test_every_named_matex_and_hvd_name_resolves():
     assert checked > 100, checked
 
 
+_BENCHMARK_COMMAND = re.compile(r"(benchmarks/\w+\.py)((?:\s+-[^\s`]*(?:\s+[^-\s`][^\s`]*)?)*)")
+
+
 def test_every_named_script_exists():
     # benchmark and example commands name files that exist; `python -m matex.X` a runnable
     # module (a module file, or a package with __main__.py)
@@ -393,6 +397,15 @@ def test_every_named_script_exists():
             runnable = path is not None and (path.name != "__init__.py"
                                              or (path.parent / "__main__.py").is_file())
             assert runnable, f"{page.relative_to(ROOT)}: python -m {module}"
+        # a benchmark command's flags are the driver's (or its shared _common.py's)
+        for line in _code(text):
+            for script, rest in _BENCHMARK_COMMAND.findall(line):
+                if not (ROOT / script).is_file():
+                    continue
+                source = (ROOT / script).read_text(encoding="utf-8") + \
+                    (ROOT / "benchmarks" / "_common.py").read_text(encoding="utf-8")
+                for flag in re.findall(r"(?<!\S)(--[\w-]+)", rest):
+                    assert f'"{flag}"' in source, f"{page.relative_to(ROOT)}: {script} {flag}"
         for target in set(re.findall(r"(?<![\w/])((?:benchmarks|examples)/[\w/.-]+\.(?:py|sh))",
                                      text)):
             assert (ROOT / target).is_file(), f"{page.relative_to(ROOT)} names {target}"
