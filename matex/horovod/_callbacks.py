@@ -12,11 +12,12 @@ from matex import _collectives, _runtime
 from matex.callbacks import BroadcastGlobalVariablesCallback as _MatexBroadcast
 from matex.callbacks import MetricAverageCallback as _MatexMetricAverage
 from matex.callbacks import check_learning_rate_settable
+from matex.legacy._keras2 import Keras2Callback, is_keras2, optimizer_variables
 
 _log = logging.getLogger(__name__)
 
 
-class BroadcastGlobalVariablesCallback(_MatexBroadcast):
+class BroadcastGlobalVariablesCallback(Keras2Callback, _MatexBroadcast):
     """At the start of training, give every rank rank ``root_rank``'s variables.
 
     The model's variables and the optimizer's (when built), except those in
@@ -38,14 +39,16 @@ class BroadcastGlobalVariablesCallback(_MatexBroadcast):
         local = {id(v) for v in self.local_variables}
         variables = list(self.model.variables)
         optimizer = getattr(self.model, "optimizer", None)
-        if optimizer is not None and optimizer.built:
+        if optimizer is not None and is_keras2(optimizer):   # its slots, once made
+            variables += optimizer_variables(optimizer)
+        elif optimizer is not None and optimizer.built:
             variables += list(optimizer.variables)
         _collectives.broadcast_variables([v for v in variables if id(v) not in local],
                                          self.root_rank)
         self._done = True
 
 
-class MetricAverageCallback(_MatexMetricAverage):
+class MetricAverageCallback(Keras2Callback, _MatexMetricAverage):
     """Average the epoch-end metrics over ranks (``device`` is ignored: MPI on the host)."""
 
     def __init__(self, device: str = "") -> None:
@@ -53,7 +56,7 @@ class MetricAverageCallback(_MatexMetricAverage):
         self.device = device
 
 
-class LearningRateScheduleCallback(keras.callbacks.Callback):
+class LearningRateScheduleCallback(Keras2Callback, keras.callbacks.Callback):
     """The learning rate ``initial_lr * multiplier(epoch)`` from ``start_epoch`` to ``end_epoch``.
 
     Horovod's callback: ``multiplier`` is a number (then ``staircase``) or a
