@@ -95,6 +95,8 @@ REQUIRED_TF_KERAS = (
     ("tf_keras.src.optimizers.legacy.optimizer_v2", "OptimizerV2._compute_gradients"),
     # slots made before the first step (hvd.elastic's KerasState)
     ("tf_keras.src.optimizers.legacy.optimizer_v2", "OptimizerV2._create_all_weights"),
+    # Horovod's momentum correction: which legacy optimizers have a momentum hyperparameter
+    ("tf_keras.src.optimizers.legacy.optimizer_v2", "OptimizerV2._set_hyper"),
     # what tf-keras's fit asks of a callback (MaTEx's Horovod callbacks provide it)
     ("tf_keras.src.callbacks", "Callback._implements_train_batch_hooks"),
     ("tf_keras.src.callbacks", "Callback._implements_test_batch_hooks"),
@@ -149,6 +151,12 @@ def tf_keras_build_optimizer(optimizer, var_list):
         optimizer._create_all_weights(var_list)
     else:
         optimizer.build(var_list)
+
+
+def tf_keras_has_hyperparameter(optimizer, name):
+    """Whether a tf-keras legacy optimizer (``OptimizerV2``) has hyperparameter ``name``."""
+    legacy = _resolve("tf_keras.src.optimizers.legacy.optimizer_v2", "OptimizerV2")
+    return isinstance(optimizer, legacy) and name in optimizer._hyper
 
 
 def tf_keras_training_entry_points():

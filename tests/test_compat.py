@@ -59,6 +59,10 @@ def test_tf_keras_private_names_exist_and_version_is_the_tested_one():
     assert low <= version <= high, tf_keras.__version__
     assert all(callable(getattr(cls, name))
                for cls, name in _compat.tf_keras_training_entry_points())
+    momentum = tf_keras.optimizers.legacy.SGD(momentum=0.9)   # the instance's _hyper
+    assert _compat.tf_keras_has_hyperparameter(momentum, "momentum")
+    assert not _compat.tf_keras_has_hyperparameter(tf_keras.optimizers.SGD(momentum=0.9),
+                                                   "momentum")
 
 
 def test_keras_tuner_internals_exist_on_a_fresh_oracle(tmp_path):

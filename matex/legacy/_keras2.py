@@ -227,6 +227,12 @@ def optimizer_variables(optimizer: Any) -> list:
     return list(found() if callable(found) else found)
 
 
+def has_momentum_hyperparameter(optimizer: Any) -> bool:
+    """Whether ``optimizer`` is a Keras 2 legacy optimizer with a ``momentum`` hyperparameter
+    (a variable its step reads, so setting it between batches takes effect)."""
+    return is_keras2(optimizer) and _compat.tf_keras_has_hyperparameter(optimizer, "momentum")
+
+
 def build_optimizer(optimizer: Any, var_list: list) -> None:
     """Make a Keras 2 optimizer's slots for ``var_list`` now (idempotent)."""
     _compat.tf_keras_build_optimizer(optimizer, var_list)

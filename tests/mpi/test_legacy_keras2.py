@@ -106,6 +106,52 @@ def test_warmup_and_schedule_callbacks_set_horovods_rates():
     assert all_equal_bytes(model.get_weights())
 
 
+def _momentum_reference(x, y, lr, warmup, epochs, correction):
+    """Legacy SGD with momentum 0.9 on the global batches under Horovod's warmup (rates
+    per batch), with or without Horovod's momentum correction; float64 NumPy."""
+    w, b = np.linspace(-0.5, 0.5, FEATURES).reshape(-1, 1), np.array([0.1])
+    vw, vb = np.zeros_like(w), np.zeros_like(b)
+    rate = lr
+    for epoch in range(epochs):
+        for k in range(STEPS):
+            momentum = 0.9
+            if epoch < warmup:
+                new = lr / N * ((epoch + k / STEPS + 1 / STEPS) * (N - 1) / warmup + 1)
+                momentum = 0.9 * new / rate if correction else 0.9
+                rate = new
+            xb = _global(x).reshape(STEPS, -1, FEATURES)[k].astype(np.float64)
+            yb = _global(y).reshape(STEPS, -1, 1)[k]
+            err = xb @ w + b - yb
+            gw, gb = 2 * xb.T @ err / len(xb), 2 * err.sum(0) / len(xb)
+            vw, vb = momentum * vw - rate * gw, momentum * vb - rate * gb
+            w, b = w + vw, b + vb
+    return w, b
+
+
+def test_warmup_applies_horovods_momentum_correction_to_legacy_momentum():
+    """LearningRateWarmupCallback over tf.keras.optimizers.legacy.SGD(momentum=0.9):
+    Horovod's momentum correction (momentum * new / old rate for the batch whose rate
+    changed) is applied: the weights are NumPy's with it, not without it."""
+    x, y = _data()
+    lr, warmup, epochs = 0.05, 2, 3
+    model = tf.keras.Sequential([tf.keras.layers.Dense(1, input_shape=(FEATURES,))])
+    model.set_weights([np.linspace(-0.5, 0.5, FEATURES, dtype="float32").reshape(-1, 1),
+                       np.array([0.1], "float32")])
+    opt = hvd.DistributedOptimizer(tf.keras.optimizers.legacy.SGD(lr=lr, momentum=0.9))
+    model.compile(optimizer=opt, loss="mse", experimental_run_tf_function=False)
+    model.fit(x[R].reshape(-1, FEATURES), y[R].reshape(-1, 1), batch_size=ROWS, epochs=epochs,
+              shuffle=False, verbose=0,
+              callbacks=[hvd.callbacks.LearningRateWarmupCallback(lr, warmup_epochs=warmup)])
+    w, b = model.get_weights()
+    rw, rb = _momentum_reference(x, y, lr, warmup, epochs, correction=True)
+    np.testing.assert_allclose(w, rw, rtol=1e-4, atol=1e-5)
+    np.testing.assert_allclose(b, rb, rtol=1e-4, atol=1e-5)
+    assert float(opt.momentum) == pytest.approx(0.9)   # restored after each batch
+    uw, _ = _momentum_reference(x, y, lr, warmup, epochs, correction=False)
+    assert np.abs(uw - rw).max() > 1e-3   # the check can tell the two apart
+    assert all_equal_bytes([w, b])
+
+
 def test_custom_loop_distributed_tape_equals_one_process():
     """A tf-keras model and optimizer in a tf.function loop with hvd.DistributedGradientTape
     and hvd.broadcast_variables: the weights of one process on the global batches."""
