@@ -20,6 +20,9 @@ $(STAMP): setup.py pyproject.toml matex/_version.py
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q -e ".[mpi,cpu,hpo,science,test,docs]"
+	# the extra [tf-keras] (Keras 2), without its `tensorflow` requirement, which would
+	# install the CUDA build over tensorflow-cpu
+	$(PY) -m pip install -q --no-deps "tf-keras>=2.21,<2.22"
 	@touch $(STAMP)
 
 ops: $(STAMP)

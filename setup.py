@@ -58,6 +58,10 @@ _EXTRAS = {
              "mypy",
              "build", "setuptools>=64", "wheel"],   # tests/test_packaging: build --no-isolation
     "docs": ["mkdocs-material>=9.5,<10", "mkdocstrings[python]>=0.26"],
+    # Keras 2 scripts (TF_USE_LEGACY_KERAS=1) under Horovod's Keras API; tested version in
+    # matex._compat.TESTED_TF_KERAS. tf-keras requires the `tensorflow` distribution: on a
+    # tensorflow-cpu install, `pip install --no-deps 'tf-keras>=2.21,<2.22'` instead
+    "tf-keras": ["tf-keras>=2.21,<2.22"],
 }
 _EXTRAS["gpu"] = _EXTRAS["and-cuda"]            # the name users guess
 _EXTRAS["embedded-mpi"] = _EXTRAS["mpi"]        # the old name, kept for old commands

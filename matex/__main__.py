@@ -228,6 +228,7 @@ def _run(argv):
         # (launcher unknown: seeded when Keras is imported, see matex._keras.install)
         if not horovod:   # a Horovod script distributes itself (its data, its optimizer)
             _transparent.after_import("keras", _install_keras_patch)
+            _transparent.after_import("tf_keras", _refuse_tf_keras)   # Keras 2: not covered
         _transparent.after_import("keras_tuner", _install_tuner_hook)
         if module is not None:
             runpy.run_module(module, run_name="__main__", alter_sys=True)
@@ -274,6 +275,12 @@ def _install_keras_patch(module):
     from matex._keras.install import install
 
     install()
+
+
+def _refuse_tf_keras(module):
+    from matex.legacy._keras2 import refuse_transparent
+
+    refuse_transparent(module)
 
 
 def _install_tuner_hook(module):

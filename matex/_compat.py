@@ -17,6 +17,7 @@ from typing import Iterator
 TESTED_KERAS = ((3, 15), (3, 15))   # inclusive minor-version range tested
 TESTED_TENSORFLOW = ((2, 21), (2, 21))
 TESTED_KERAS_TUNER = ((1, 4), (1, 4))   # keras-tuner 1.4.8 tested (matex.hpo)
+TESTED_TF_KERAS = ((2, 21), (2, 21))   # tf-keras 2.21.0 tested (Keras 2, matex.legacy._keras2)
 MINIMUM_TENSORFLOW = (2, 21)   # older: `import matex` refuses (the ops use 2.21's API)
 # Distributions that install the `tensorflow` module, most common first: MaTEx
 # accepts any of them (setup.py requires none; extras [cpu] / [and-cuda] add one)
@@ -87,6 +88,21 @@ REQUIRED = (
     ("tensorflow.python.ops.resource_variable_ops", "ResourceVariable"),
 )
 
+# private tf-keras names (Keras 2 under TF_USE_LEGACY_KERAS=1, matex.legacy._keras2); checked by
+# check_tf_keras() where tf-keras is installed (the extra matex[tf-keras])
+REQUIRED_TF_KERAS = (
+    # Horovod's Keras 2 DistributedOptimizer reduces in the hook minimize() calls
+    ("tf_keras.src.optimizers.legacy.optimizer_v2", "OptimizerV2._compute_gradients"),
+    # slots made before the first step (hvd.elastic's KerasState)
+    ("tf_keras.src.optimizers.legacy.optimizer_v2", "OptimizerV2._create_all_weights"),
+    # Horovod's momentum correction: which legacy optimizers have a momentum hyperparameter
+    ("tf_keras.src.optimizers.legacy.optimizer_v2", "OptimizerV2._set_hyper"),
+    # what tf-keras's fit asks of a callback (MaTEx's Horovod callbacks provide it)
+    ("tf_keras.src.callbacks", "Callback._implements_train_batch_hooks"),
+    ("tf_keras.src.callbacks", "Callback._implements_test_batch_hooks"),
+    ("tf_keras.src.callbacks", "Callback._implements_predict_batch_hooks"),
+)
+
 # private attributes of instances, set in __init__ (checked on a fresh instance by the test)
 BACKUP_ATTRIBUTES = ("_weights_path", "_training_metadata_path", "_prev_weights_path",
                      "_prev_training_metadata_path", "_current_epoch", "_last_batch_seen")
@@ -115,6 +131,42 @@ def check():
         except (ImportError, AttributeError):
             missing.append("%s.%s" % (module, path))
     return missing
+
+
+def check_tf_keras():
+    """Names in ``REQUIRED_TF_KERAS`` that this tf-keras lacks (empty when all is well)."""
+    missing = []
+    for module, path in REQUIRED_TF_KERAS:
+        try:
+            _resolve(module, path)
+        except (ImportError, AttributeError):
+            missing.append("%s.%s" % (module, path))
+    return missing
+
+
+def tf_keras_build_optimizer(optimizer, var_list):
+    """Make a Keras 2 optimizer's slots for ``var_list`` (idempotent in both kinds)."""
+    legacy = _resolve("tf_keras.src.optimizers.legacy.optimizer_v2", "OptimizerV2")
+    if isinstance(optimizer, legacy):
+        optimizer._create_all_weights(var_list)
+    else:
+        optimizer.build(var_list)
+
+
+def tf_keras_has_hyperparameter(optimizer, name):
+    """Whether a tf-keras legacy optimizer (``OptimizerV2``) has hyperparameter ``name``."""
+    legacy = _resolve("tf_keras.src.optimizers.legacy.optimizer_v2", "OptimizerV2")
+    return isinstance(optimizer, legacy) and name in optimizer._hyper
+
+
+def tf_keras_training_entry_points():
+    """(class, method name) of every tf-keras call that trains: refused by the transparent
+    path on several ranks (matex.legacy._keras2.refuse_transparent)."""
+    import tf_keras
+
+    return [(tf_keras.Model, "fit"), (tf_keras.Model, "train_on_batch"),
+            (tf_keras.optimizers.Optimizer, "apply_gradients"),
+            (tf_keras.optimizers.legacy.Optimizer, "apply_gradients")]
 
 
 def _version(module):

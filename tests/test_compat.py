@@ -6,6 +6,7 @@ name, instead of somewhere inside training.
 
 import keras
 import numpy as np
+import pytest
 import tensorflow as tf
 
 from matex import _compat
@@ -47,6 +48,21 @@ def test_installed_versions_are_the_tested_ones():
     version = tuple(int(p) for p in tf.__version__.split(".")[:2])
     low, high = _compat.TESTED_TENSORFLOW
     assert low <= version <= high, tf.__version__
+
+
+def test_tf_keras_private_names_exist_and_version_is_the_tested_one():
+    """Keras 2 (matex.legacy._keras2): the tf-keras internals it uses, the tested version."""
+    tf_keras = pytest.importorskip("tf_keras")
+    assert _compat.check_tf_keras() == []
+    version = tuple(int(p) for p in tf_keras.__version__.split(".")[:2])
+    low, high = _compat.TESTED_TF_KERAS
+    assert low <= version <= high, tf_keras.__version__
+    assert all(callable(getattr(cls, name))
+               for cls, name in _compat.tf_keras_training_entry_points())
+    momentum = tf_keras.optimizers.legacy.SGD(momentum=0.9)   # the instance's _hyper
+    assert _compat.tf_keras_has_hyperparameter(momentum, "momentum")
+    assert not _compat.tf_keras_has_hyperparameter(tf_keras.optimizers.SGD(momentum=0.9),
+                                                   "momentum")
 
 
 def test_keras_tuner_internals_exist_on_a_fresh_oracle(tmp_path):

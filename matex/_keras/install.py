@@ -55,4 +55,7 @@ def install():
                 namespace.load_model = saving.load_model
         batchnorm.install()    # BatchNormalization(synchronized=True) over the ranks
         randomness.install()   # dropout & co.: a stream per rank
+        from matex.legacy._keras2 import refuse_transparent   # tf-keras: one clear error
+
+        _transparent.after_import("tf_keras", refuse_transparent)
         _installed = True

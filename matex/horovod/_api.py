@@ -565,12 +565,18 @@ def _local_layers(local_layers: Any) -> list:
     """Horovod's ``local_layers=``: None, one Keras layer or an iterable of them."""
     import keras
 
+    from matex.legacy._keras2 import is_keras2
+
+    def is_layer(layer):   # a Keras 3 layer, or a Keras 2 (tf-keras) one
+        return isinstance(layer, keras.layers.Layer) or (is_keras2(layer)
+                                                         and hasattr(layer, "trainable_weights"))
+
     if local_layers is None:
         return []
-    if isinstance(local_layers, keras.layers.Layer):
+    if is_layer(local_layers):
         return [local_layers]
     local_layers = list(local_layers)
-    if not all(isinstance(layer, keras.layers.Layer) for layer in local_layers):
+    if not all(is_layer(layer) for layer in local_layers):
         raise ValueError("All local layers must be of tf.keras.layers.Layer type.")
     return local_layers
 
@@ -634,6 +640,12 @@ def _distributed_optimizer(optimizer, compression, sparse_as_dense, backward_pas
                            op, gradient_predivide_factor, average_aggregated_gradients,
                            num_groups, groups, process_set, scale_local_gradients, local_layers,
                            what):
+    from matex.legacy import _keras2
+    if _keras2.is_keras2(optimizer):   # Keras 2 (tf-keras): Horovod's Keras 2 optimizer
+        return _keras2.horovod_optimizer(
+            optimizer, compression, sparse_as_dense, backward_passes_per_step, op,
+            gradient_predivide_factor, average_aggregated_gradients, num_groups, groups,
+            process_set, scale_local_gradients, local_layers, what)
     from matex.compression import _spec
     from matex.horovod._training import HorovodReduction
 

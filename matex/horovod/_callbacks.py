@@ -12,11 +12,13 @@ from matex import _collectives, _runtime
 from matex.callbacks import BroadcastGlobalVariablesCallback as _MatexBroadcast
 from matex.callbacks import MetricAverageCallback as _MatexMetricAverage
 from matex.callbacks import check_learning_rate_settable
+from matex.legacy._keras2 import (Keras2Callback, has_momentum_hyperparameter, is_keras2,
+                                  optimizer_variables)
 
 _log = logging.getLogger(__name__)
 
 
-class BroadcastGlobalVariablesCallback(_MatexBroadcast):
+class BroadcastGlobalVariablesCallback(Keras2Callback, _MatexBroadcast):
     """At the start of training, give every rank rank ``root_rank``'s variables.
 
     The model's variables and the optimizer's (when built), except those in
@@ -38,14 +40,16 @@ class BroadcastGlobalVariablesCallback(_MatexBroadcast):
         local = {id(v) for v in self.local_variables}
         variables = list(self.model.variables)
         optimizer = getattr(self.model, "optimizer", None)
-        if optimizer is not None and optimizer.built:
+        if optimizer is not None and is_keras2(optimizer):   # its slots, once made
+            variables += optimizer_variables(optimizer)
+        elif optimizer is not None and optimizer.built:
             variables += list(optimizer.variables)
         _collectives.broadcast_variables([v for v in variables if id(v) not in local],
                                          self.root_rank)
         self._done = True
 
 
-class MetricAverageCallback(_MatexMetricAverage):
+class MetricAverageCallback(Keras2Callback, _MatexMetricAverage):
     """Average the epoch-end metrics over ranks (``device`` is ignored: MPI on the host)."""
 
     def __init__(self, device: str = "") -> None:
@@ -53,7 +57,7 @@ class MetricAverageCallback(_MatexMetricAverage):
         self.device = device
 
 
-class LearningRateScheduleCallback(keras.callbacks.Callback):
+class LearningRateScheduleCallback(Keras2Callback, keras.callbacks.Callback):
     """The learning rate ``initial_lr * multiplier(epoch)`` from ``start_epoch`` to ``end_epoch``.
 
     Horovod's callback: ``multiplier`` is a number (then ``staircase``) or a
@@ -61,8 +65,10 @@ class LearningRateScheduleCallback(keras.callbacks.Callback):
     epoch's start, else at each batch with a fractional epoch
     (``epoch + batch / steps_per_epoch``). ``initial_lr`` None reads the
     optimizer's rate when training begins. ``momentum_correction`` is
-    accepted but not applied: a Keras 3 optimizer's momentum is a constant of
-    its compiled step. The epoch logs get ``lr``.
+    applied as Horovod does (the momentum scaled by new/old rate for the batch
+    whose rate changed) only to tf-keras's legacy optimizers, whose momentum
+    is a variable of the step: a Keras 3 optimizer's momentum is a constant
+    of its compiled step. The epoch logs get ``lr``.
     """
 
     def __init__(self, initial_lr: float | None, multiplier: float | Callable[[float], float],
@@ -90,7 +96,20 @@ class LearningRateScheduleCallback(keras.callbacks.Callback):
 
     def _adjust_learning_rate(self, epoch: float) -> None:
         assert self.initial_lr is not None   # set by on_train_begin
-        self.model.optimizer.learning_rate = self.initial_lr * self.multiplier(epoch)
+        optimizer = self.model.optimizer
+        old = float(optimizer.learning_rate)
+        optimizer.learning_rate = self.initial_lr * self.multiplier(epoch)
+        if self.momentum_correction and old and has_momentum_hyperparameter(optimizer):
+            # Horovod's momentum correction (Goyal et al.): momentum scaled by new/old rate
+            # for this batch, restored at its end (Keras 2 optimizers whose momentum is a
+            # variable of the step: tf-keras's legacy ones)
+            self._restore_momentum = float(optimizer.momentum)
+            optimizer.momentum = self._restore_momentum * float(optimizer.learning_rate) / old
+
+    def on_train_batch_end(self, batch: int, logs: dict | None = None) -> None:
+        if getattr(self, "_restore_momentum", None) is not None:
+            self.model.optimizer.momentum = self._restore_momentum
+            self._restore_momentum = None
 
     def on_train_begin(self, logs: dict | None = None) -> None:
         check_learning_rate_settable(self.model.optimizer, type(self).__name__)

@@ -89,7 +89,11 @@ class TensorFlowKerasState(_VariablesMixin, ObjectState):
         return list(self.model.variables) + self._optimizer_variables()
 
     def _build_optimizer(self) -> None:
-        if self.optimizer is not None and not getattr(self.optimizer, "built", True):
+        from matex.legacy import _keras2
+
+        if self.optimizer is not None and _keras2.is_keras2(self.optimizer):
+            _keras2.build_optimizer(self.optimizer, self.model.trainable_variables)
+        elif self.optimizer is not None and not getattr(self.optimizer, "built", True):
             self.optimizer.build(self.model.trainable_variables)
 
     def save(self) -> None:

@@ -61,7 +61,19 @@ def broadcast(value: Any, root_rank: int, name: str | None = None) -> tf.Tensor:
 def load_model(filepath: str, custom_optimizers: list | None = None,
                custom_objects: dict | None = None,
                compression: type[Compressor] = Compression.none) -> Any:
-    """``keras.models.load_model`` whose optimizer comes back distributed."""
+    """``keras.models.load_model`` whose optimizer comes back distributed.
+
+    With ``TF_USE_LEGACY_KERAS=1`` (``tf.keras`` is tf-keras) the model is
+    loaded by tf-keras, and its optimizer is made distributed in place (its
+    restored state kept).
+    """
+    from matex.legacy import _keras2
+
+    if _keras2.legacy_keras_active():
+        from matex.compression import _spec
+
+        return _keras2.load_model(filepath, custom_optimizers, custom_objects, "average",
+                                  _spec.from_spec(_api._compression_spec(compression)))
     import keras
 
     objects = dict(custom_objects or {})

@@ -18,6 +18,7 @@ import keras
 
 from matex.horovod.elastic import ObjectState, State, run, run_fn
 from matex.horovod.tensorflow.elastic import TensorFlowKerasState, TensorFlowState
+from matex.legacy._keras2 import Keras2Callback
 
 __all__ = ["KerasState", "TensorFlowKerasState", "TensorFlowState", "ObjectState", "State",
            "CommitStateCallback", "UpdateBatchStateCallback", "UpdateEpochStateCallback",
@@ -31,7 +32,7 @@ class KerasState(TensorFlowKerasState):
         super().__init__(model, optimizer=optimizer, **kwargs)
 
 
-class CommitStateCallback(keras.callbacks.Callback):
+class CommitStateCallback(Keras2Callback, keras.callbacks.Callback):
     """Commit ``state`` every ``batches_per_commit`` batches and at every epoch's end."""
 
     def __init__(self, state: State, batches_per_commit: int = 1) -> None:
@@ -53,7 +54,7 @@ class CommitStateCallback(keras.callbacks.Callback):
         self.state.commit()
 
 
-class UpdateBatchStateCallback(keras.callbacks.Callback):
+class UpdateBatchStateCallback(Keras2Callback, keras.callbacks.Callback):
     """Keep ``state.batch`` the number of the last batch done in the epoch (0 at its end)."""
 
     def __init__(self, state: State) -> None:
@@ -67,7 +68,7 @@ class UpdateBatchStateCallback(keras.callbacks.Callback):
         self.state.batch = 0  # type: ignore[attr-defined]
 
 
-class UpdateEpochStateCallback(keras.callbacks.Callback):
+class UpdateEpochStateCallback(Keras2Callback, keras.callbacks.Callback):
     """Keep ``state.epoch`` the number of epochs done, counted across recoveries."""
 
     def __init__(self, state: State) -> None:
