@@ -85,14 +85,12 @@ def _register_ops(tensorflow) -> None:
         return
     try:
         tf_ops()
-        from matex import _config
+        # a graph imported here holds numbered collectives made by another process: its
+        # Session.run is scheduled (and the kernels get the communicator) although this
+        # process made no MaTEx op
+        from matex.legacy import _schedule
 
-        if (_config.launched_size() or 1) > 1:
-            # a graph imported in an MPI job holds numbered collectives made elsewhere:
-            # its Session.run must be scheduled although this process made none
-            from matex.legacy import _schedule
-
-            _schedule.install()
+        _schedule.install()
     except Exception as exc:  # noqa: BLE001 - must never break the user's `import tensorflow`
         logging.getLogger("matex").warning(
             "matex: could not load MaTEx's TensorFlow ops at import (%s: %s); graphs "
