@@ -15,11 +15,16 @@ averaged gradients.
 
 from __future__ import annotations
 
+import contextvars
 from typing import Any, Callable
 
 import tensorflow as tf
 
 Reduce = Callable[[list, list], list]   # (gradients, variables) -> reduced gradients
+
+# set while a DistributedOptimizerV1 computes its gradients: the unmodified-script path
+# (matex.legacy._script) must not reduce the wrapped optimizer's a second time
+reducing = contextvars.ContextVar("matex_v1_reducing", default=False)
 
 # the ops producing reduced gradients, by graph: the unmodified-script path tells a
 # training run (one that reaches them) from any other run
@@ -73,12 +78,20 @@ class DistributedOptimizerV1(tf.compat.v1.train.Optimizer):
 
     def compute_gradients(self, *args: Any, **kwargs: Any) -> list:
         """The wrapped optimizer's ``(gradient, variable)`` pairs, gradients reduced."""
-        pairs = self._optimizer.compute_gradients(*args, **kwargs)
+        token = reducing.set(True)
+        try:
+            pairs = self._optimizer.compute_gradients(*args, **kwargs)
+        finally:
+            reducing.reset(token)
         return reduce_pairs(pairs, self._reduce)
 
     def apply_gradients(self, *args: Any, **kwargs: Any) -> Any:
         """The wrapped optimizer's ``apply_gradients``."""
-        return self._optimizer.apply_gradients(*args, **kwargs)
+        token = reducing.set(True)
+        try:
+            return self._optimizer.apply_gradients(*args, **kwargs)
+        finally:
+            reducing.reset(token)
 
     def get_slot(self, *args: Any, **kwargs: Any) -> Any:
         return self._optimizer.get_slot(*args, **kwargs)

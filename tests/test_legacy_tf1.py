@@ -1,0 +1,57 @@
+"""TF1 graph code (tf.compat.v1 Sessions) on MaTEx, under real mpiexec: Horovod's TF1 API
+(tests/mpi/test_legacy_tf1.py), an unmodified plain TF1 script under ``python -m matex``
+(tests/scripts/tf1_plain.py), and a rank failing inside Session.run."""
+
+import json
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+import mpitools
+
+ROOT = mpitools.ROOT
+PLAIN = str(ROOT / "tests" / "scripts" / "tf1_plain.py")
+
+
+@pytest.mark.parametrize("nranks", [2, 3])
+def test_horovod_tf1_suite(nranks, tmp_path):
+    assert mpitools.run_suite(nranks, ["test_legacy_tf1.py"], tmp_path, timeout=600) >= 9
+
+
+def _results(out, ranks):
+    return [json.load(open("%s.%d" % (out, r))) for r in ranks]
+
+
+@pytest.mark.parametrize("nranks", [2, 3])
+def test_unmodified_tf1_script_matches_one_process(nranks, tmp_path):
+    """GradientDescent (minimize), Adam (compute, clip, apply) and Momentum (tf.gradients,
+    apply) on batches of 7 rows (3 ranks: 2, 2 and 3 rows, weighted by rows): every
+    variable and slot equal on every rank and to one process, and the evaluation run over
+    all rows (not split: no training in it) equal to one process's on every rank."""
+    one, many = str(tmp_path / "one"), str(tmp_path / "many")
+    subprocess.run([sys.executable, PLAIN, one], check=True, timeout=300, capture_output=True,
+                   env={**os.environ, "TF_CPP_MIN_LOG_LEVEL": "3"})
+    proc = mpitools.run_mpi(nranks, [sys.executable, "-m", "matex", PLAIN, many], timeout=600)
+    assert proc.returncode == 0, proc.stderr[-5000:]
+    alone, = _results(one, [0])
+    ranks = _results(many, range(nranks))
+    for result in ranks:
+        assert result["variables"] == ranks[0]["variables"]   # bitwise, on every rank
+        assert set(result["variables"]) == set(alone["variables"])
+        for name, value in alone["variables"].items():
+            np.testing.assert_allclose(result["variables"][name], value, rtol=1e-4,
+                                       atol=1e-5, err_msg=name)
+        np.testing.assert_allclose(result["evaluation"], alone["evaluation"], rtol=1e-5)
+    assert alone["evaluation"][0] < alone["losses"][0][0]   # it trained
+
+
+def test_a_rank_failing_inside_session_run_ends_every_rank(tmp_path):
+    """Rank 1 feeds a wrong shape at step 3: every rank ends, with the error, no hang."""
+    proc = mpitools.run_mpi(2, [sys.executable, "-m", "matex", PLAIN, str(tmp_path / "x"),
+                                "raise"], timeout=300)
+    assert proc.returncode != 0
+    assert "Cannot feed value of shape" in proc.stderr, proc.stderr[-3000:]
+    assert not list(tmp_path.glob("x.*"))   # no rank finished training
