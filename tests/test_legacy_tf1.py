@@ -55,3 +55,17 @@ def test_a_rank_failing_inside_session_run_ends_every_rank(tmp_path):
     assert proc.returncode != 0
     assert "Cannot feed value of shape" in proc.stderr, proc.stderr[-3000:]
     assert not list(tmp_path.glob("x.*"))   # no rank finished training
+
+
+def test_under_ft_a_rank_lost_inside_session_run_stops_every_rank_clearly(tmp_path):
+    """matexrun --ft (ULFM), 3 ranks: rank 1 SIGKILLs itself at step 3. TF1 Sessions are
+    not recovered: both survivors stop with RankLostInSession, matexrun exits 1."""
+    matexrun = os.path.join(os.path.dirname(sys.executable), "matexrun")
+    proc = subprocess.run([matexrun, "--ft", "-n", "3", PLAIN, str(tmp_path / "x"), "kill"],
+                          capture_output=True, text=True, timeout=300, start_new_session=True,
+                          env={**os.environ, "TF_CPP_MIN_LOG_LEVEL": "2"})
+    assert proc.returncode == 1, proc.stderr[-3000:]
+    assert proc.stderr.count("RankLostInSession: matex --ft: a rank was lost during a TF1 "
+                             "Session.run") == 2, proc.stderr[-3000:]
+    assert "every rank failed (3 of 3)" in proc.stderr
+    assert not list(tmp_path.glob("x.*"))
