@@ -67,6 +67,13 @@ from matex.parallel import _saving as _layer_saving  # noqa: E402
 
 _layer_saving.install()
 
+# MaTEx's op types are registered once TensorFlow is loaded: a graph saved by an MPI job
+# (import_meta_graph, a frozen GraphDef) imports in a later process, MPI job or not
+from matex import _native as _native_module  # noqa: E402 - imports neither MPI nor TF
+
+if not _self_check():   # the self-check reports what is built; it builds nothing
+    _native_module.register_ops_when_tensorflow_loads()
+
 __all__ = [
     "init", "rank", "size", "local_rank", "local_size", "comm",
     "allreduce", "broadcast", "allgather", "broadcast_variables",

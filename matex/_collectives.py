@@ -28,21 +28,27 @@ _barriers = weakref.WeakKeyDictionary()   # graph -> op every later collective w
 
 _loaded = None   # the op library, once the C++ side holds a communicator
 
-_last_in_graph = weakref.WeakKeyDictionary()   # TF1 graph -> its last MaTEx op
+_SEQ_ATTR = "_matex_seq"   # a MaTEx op's number in its TF1 graph (read by the kernels)
+_next_seq = weakref.WeakKeyDictionary()   # TF1 graph -> the number its next MaTEx op gets
+_UNSCHEDULED = frozenset({"matex_comm_info"})   # ops that never communicate
 
 
-class _InCreationOrder:
-    """The op library, whose ops in a TF1 graph run in the order they were created.
+class _Numbered:
+    """The op library, whose communicating ops in a TF1 graph carry their creation number.
 
     Inside ``tf.function`` automatic control dependencies keep stateful ops in
     program order, and eagerly Python's order holds. A TF1 graph run by a
     ``Session`` has neither: independent collectives may start in any order,
     and in a different one on each rank, which pairs one rank's tensor with
-    another rank's other tensor (wrong sums, no error, seen 20 of 20 times with
-    8 allreduces on 2 ranks). There every MaTEx op (gradients and
-    point-to-point included) waits for the one created before it in the same
-    graph: every rank builds the same graph in the same order, so every rank
-    runs them in that order. Eager and ``tf.function`` calls pay one check.
+    another rank's other tensor (wrong sums, no error). Chaining every op to
+    the one created before it fixed the order but made each fetched collective
+    run every earlier one too (and their inputs: a broadcast run alone then
+    needed the training placeholders fed). Instead each MaTEx op made in a TF1
+    graph gets a number (the node attribute ``_matex_seq``: creation order),
+    and nothing else: it runs when fetched and only then. Before each
+    ``Session.run`` the scheduler (``matex.legacy._schedule``) computes the
+    numbered ops that run will execute and has the kernels run them in that
+    order on every rank. Eager and ``tf.function`` calls pay one check.
     """
 
     def __init__(self, library):
@@ -50,31 +56,42 @@ class _InCreationOrder:
 
     def __getattr__(self, name):
         make = getattr(self._library, name)
+        if name in _UNSCHEDULED:
+            setattr(self, name, make)
+            return make
 
-        def ordered(*args, **kwargs):
+        def numbered(*args, **kwargs):
             if tf.executing_eagerly() or tf.inside_function():
                 return make(*args, **kwargs)
-            graph = tf.compat.v1.get_default_graph()
-            last = _last_in_graph.get(graph)
-            if last is None:
-                result = make(*args, **kwargs)
-            else:
-                with tf.control_dependencies([last]):
-                    result = make(*args, **kwargs)
-            _last_in_graph[graph] = _op_of(result)
-            return result
+            return _numbered_in_graph(make, args, kwargs)
 
-        ordered.__name__ = name
-        setattr(self, name, ordered)   # looked up once per name
-        return ordered
+        numbered.__name__ = name
+        setattr(self, name, numbered)   # looked up once per name
+        return numbered
 
 
-def _op_of(result):
-    """The op that produced ``result`` (a tensor, an op, or a list/tuple of tensors)."""
-    if isinstance(result, tf.Operation):
-        return result
-    first = tf.nest.flatten(result)[0]
-    return first if isinstance(first, tf.Operation) else first.op
+def _numbered_in_graph(make, args, kwargs):
+    """``make(*args, **kwargs)`` in the default TF1 graph, numbered for the scheduler."""
+    from tensorflow.core.framework import attr_value_pb2
+
+    from matex import _compat
+    from matex.legacy import _schedule
+
+    graph = tf.compat.v1.get_default_graph()
+    if _compat.tf1_control_flow_context(graph) is not None:
+        raise NotImplementedError(
+            "MaTEx collectives inside tf.compat.v1.cond / while_loop of a TF1 graph (v1 "
+            "control flow) are not supported: such a branch may run 0 or many times, which "
+            "ranks cannot agree on before the run. Compute the collective outside the "
+            "cond/loop, or use control flow v2 (tf.compat.v1.enable_control_flow_v2()).")
+    seq = _next_seq.get(graph, 0)
+    _next_seq[graph] = seq + 1
+    value = attr_value_pb2.AttrValue(i=seq)
+    with _compat.graph_attr_scope(graph, {
+            _SEQ_ATTR: lambda node: value if node.op.startswith("Matex") else None}):
+        result = make(*args, **kwargs)
+    _schedule.install()
+    return result
 
 
 _MISMATCH_CODE_ATTR = "_matex_mismatch_code"   # read by the kernels (kernels/common.h)
@@ -107,17 +124,24 @@ def _ops():
     global _loaded
     if _loaded is None:
         _runtime._core()  # communicator handed to the C++ side before any op runs
-        _loaded = _InCreationOrder(_native.tf_ops())
+        _loaded = _Numbered(_native.tf_ops())
     return _loaded
 
 
 def set_barrier(op):
-    """Make every collective created later in ``op``'s graph wait for ``op``.
+    """Make every collective created later in ``op``'s ``tf.function`` graph wait for ``op``.
 
     Used after a weight update, so that a later collective that fails (a dead
-    peer) can never interrupt an update halfway.
+    peer) can never interrupt an update halfway. Only in a function graph: its
+    one call runs the whole step, update and later collectives together. In a
+    TF1 graph each ``Session.run`` runs only what it fetches; a barrier there
+    would make every later collective (a broadcast run alone, a metric) run the
+    whole training step again. A ``Session.run`` that fetches an update and a
+    later collective together runs them in the order the scheduler gives the
+    collectives, not after the update.
     """
-    _barriers[op.graph] = op
+    if getattr(op.graph, "building_function", False):
+        _barriers[op.graph] = op
 
 
 def _after_barrier():

@@ -83,6 +83,8 @@ REQUIRED = (
     ("keras_tuner.src.engine.oracle", "Oracle._duplicate"),
     # node attributes on the ops a graph makes in a scope (matex.horovod's mismatch code)
     ("tensorflow.python.framework.ops", "Graph._attr_scope"),
+    # a TF1 graph's v1 cond/while_loop being built (MaTEx collectives refuse to go there)
+    ("tensorflow.python.framework.ops", "Graph._get_control_flow_context"),
     # a bookkeeping variable made while a tf.function is traced again (bookkeeping_variable)
     ("tensorflow.python.ops.resource_variable_ops", "ResourceVariable"),
 )
@@ -589,3 +591,8 @@ def graph_attr_scope(graph, attrs):
     op's ``NodeDef`` returning one or None (no attribute on that op).
     """
     return graph._attr_scope(attrs)
+
+
+def tf1_control_flow_context(graph):
+    """The v1 ``cond``/``while_loop`` context ops made now in ``graph`` go into (None: none)."""
+    return graph._get_control_flow_context()

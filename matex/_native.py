@@ -6,10 +6,9 @@ needed); ``tf_ops()`` returns the TensorFlow op library. Both share one
 """
 
 import importlib.util
+import logging
 import sysconfig
 import threading
-
-from matex import _build
 
 _lock = threading.Lock()
 _core = None
@@ -18,6 +17,8 @@ _ops = None
 
 def _check_single_mpi():
     """Fail loudly when two different MPI libraries are mapped in this process."""
+    from matex import _build
+
     libs = _build.mapped_libmpis()
     if len(libs) > 1:
         raise ImportError(
@@ -33,6 +34,8 @@ def core():
     global _core
     with _lock:
         if _core is None:
+            from matex import _build
+
             directory = _build.core_dir()
             path = directory / ("_matex_core" + sysconfig.get_config_var("EXT_SUFFIX"))
             spec = importlib.util.spec_from_file_location("_matex_core", path)
@@ -49,6 +52,8 @@ def tf_ops():
     if _ops is None:
         import tensorflow as tf
 
+        from matex import _build
+
         directory = _build.tf_ops_dir()
         core()  # same libmatex_core.so: set the communicator before any op runs
         with _lock:
@@ -56,3 +61,31 @@ def tf_ops():
                 _ops = tf.load_op_library(str(directory / "matex_tf_ops.so"))
                 _check_single_mpi()
     return _ops
+
+
+def register_ops_when_tensorflow_loads() -> None:
+    """Register every MaTEx op type as soon as TensorFlow is imported (now, if it is).
+
+    A graph saved by an MPI job (a TF1 meta graph, a frozen ``GraphDef``)
+    names ``MatexAllreduce`` and the other MaTEx op types; TensorFlow can
+    import it only if they are registered. ``import matex`` therefore loads the
+    op library right after TensorFlow's own import (``import matex`` stays
+    cheap without TensorFlow). Loading needs no MaTEx communicator: it maps
+    MPI's library, which mpi4py initialises (a singleton outside ``mpiexec``).
+    A failure (no compiler for the first build) is a warning here; the first
+    collective reports it again.
+    """
+    from matex import _transparent
+
+    _transparent.after_import("tensorflow", _register_ops)
+
+
+def _register_ops(tensorflow) -> None:
+    if tensorflow is None:   # blocked (sys.modules["tensorflow"] = None): nothing to register
+        return
+    try:
+        tf_ops()
+    except Exception as exc:  # noqa: BLE001 - must never break the user's `import tensorflow`
+        logging.getLogger("matex").warning(
+            "matex: could not load MaTEx's TensorFlow ops at import (%s: %s); graphs "
+            "holding MaTEx ops will not import until they load", type(exc).__name__, exc)

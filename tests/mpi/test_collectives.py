@@ -1064,11 +1064,12 @@ def test_object_errors_are_one_error_on_every_rank():
     assert matex.allgather_object(R) == list(range(N))
 
 
-def test_tf1_session_runs_independent_collectives_in_creation_order():
+def test_tf1_session_runs_independent_collectives_in_one_order():
     """A TF1 graph's independent collectives ran in any order in a Session, a different
     one per rank: 8 allreduces on 2 ranks returned wrong sums with no error (20 of 20
-    runs). Each MaTEx op now waits for the one created before it; gradients built by
-    tf.gradients and an allgather among them are ordered too."""
+    runs). The run's collectives now take their turn in one order agreed by every rank
+    (matex.legacy._schedule); gradients built by tf.gradients and an allgather among them
+    are ordered too."""
     for trial in range(3):
         g = tf.Graph()
         with g.as_default():

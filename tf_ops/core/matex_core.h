@@ -216,6 +216,21 @@ void SetFlightSite(const char* site);
 bool InstallFlightSignal(int signum);
 bool TakeFlightSignal();
 
+// ---- graph-mode turnstile (turnstile.cc) ----
+// The collectives (node names) one TF1 Session.run will execute, in the order
+// every rank runs them; until EndGraphRun, TakeTurn queues them in that order.
+void BeginGraphRun(std::vector<std::string> order);
+// The run returned: ungated again. Returns how many collectives took their turn.
+int EndGraphRun();
+enum class Turn {
+  kNow,          // no scheduled run in progress: call `run` yourself, now
+  kQueued,       // `run` will be called on the turnstile's thread in its turn
+  kUnscheduled,  // a scheduled run is in progress and `name` is not (or no more) in it
+};
+Turn TakeTurn(const std::string& name, std::function<void()> run);
+// Take a queued collective out (its run was cancelled); false if it already ran.
+bool Withdraw(const std::string& name);
+
 }  // namespace matex
 
 #endif  // MATEX_CORE_H_

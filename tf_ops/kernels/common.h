@@ -13,11 +13,13 @@
 
 #include "absl/strings/cord.h"
 #include "matex_core.h"
+#include "tensorflow/core/framework/cancellation.h"
 #include "tensorflow/core/framework/op_kernel.h"
 #include "tensorflow/core/framework/tensor.h"
 
 namespace matex_kernels {
 
+using tensorflow::CancellationToken;
 using tensorflow::OpKernel;
 using tensorflow::OpKernelConstruction;
 using tensorflow::OpKernelContext;
@@ -140,6 +142,88 @@ inline void HugePagesFor(const Tensor& t) {
   const uintptr_t last = (begin + bytes) & ~(kHuge - 1);
   if (last > first) madvise(reinterpret_cast<void*>(first), last - first, MADV_HUGEPAGE);
 }
+
+// The node attribute a TF1 graph's MaTEx collective carries (its creation
+// number, set by matex/_collectives.py). Such a kernel takes its turn in the
+// graph-mode turnstile (turnstile.cc): while a scheduled Session.run is in
+// progress it runs in the order the scheduler gave, on every rank the same.
+// Without the attribute (eager, tf.function) the kernel is the plain one.
+constexpr char kSeqAttr[] = "_matex_seq";
+
+// `K`, asynchronous: a kernel whose turn has not come is queued (no executor
+// thread waits for it), and a cancelled run withdraws it.
+template <class K>
+class Gated : public tensorflow::AsyncOpKernel {
+ public:
+  explicit Gated(OpKernelConstruction* c) : AsyncOpKernel(c), inner_(c) {}
+
+  void ComputeAsync(OpKernelContext* ctx, DoneCallback done) override {
+    using tensorflow::CancellationManager;
+    CancellationManager* cm = ctx->cancellation_manager();
+    CancellationToken token = CancellationManager::kInvalidToken;
+    const std::string node = name();
+    if (cm != nullptr) {   // registered before queuing: a queued kernel is always withdrawable
+      token = cm->get_cancellation_token();
+      if (!cm->RegisterCallback(token, [ctx, done, node]() {
+            if (matex::Withdraw(node)) {
+              ctx->SetStatus(absl::CancelledError(
+                  "matex: run cancelled before collective " + node + " had its turn"));
+              done();
+            }
+          })) {
+        ctx->SetStatus(absl::CancelledError("matex: run cancelled before collective " + node));
+        done();
+        return;
+      }
+    }
+    auto release = [cm, token]() {
+      if (cm != nullptr) cm->TryDeregisterCallback(token);
+    };
+    auto turn = [this, ctx, done, release]() {
+      release();
+      inner_.Compute(ctx);
+      done();
+    };
+    switch (matex::TakeTurn(node, turn)) {
+      case matex::Turn::kNow:
+        release();
+        inner_.Compute(ctx);
+        done();
+        return;
+      case matex::Turn::kUnscheduled:
+        release();
+        ctx->SetStatus(absl::FailedPreconditionError(
+            "matex: collective " + node + " ran inside a Session.run whose collectives "
+            "MaTEx's scheduler computed without it (a collective reached through "
+            "control flow, a tf.function call, or Session.make_callable/partial_run "
+            "while a scheduled run was in progress)"));
+        done();
+        return;
+      case matex::Turn::kQueued:
+        // cancelled between registering and queuing: the callback found nothing to withdraw
+        if (cm != nullptr && cm->IsCancelled() && matex::Withdraw(node)) {
+          release();
+          ctx->SetStatus(absl::CancelledError("matex: run cancelled before collective " + node));
+          done();
+        }
+        return;
+    }
+  }
+
+ private:
+  K inner_;
+};
+
+template <class K>
+OpKernel* MaybeGated(OpKernelConstruction* c) {
+  if (c->HasAttr(kSeqAttr)) return new Gated<K>(c);
+  return new K(c);
+}
+
+// REGISTER_KERNEL_BUILDER for a collective that a TF1 graph may gate.
+#define MATEX_REGISTER_GATED(builder, cls)                                       \
+  static ::tensorflow::kernel_factory::OpKernelRegistrar matex_registrar_##cls( \
+      ::tensorflow::register_kernel::builder.Build(), #cls, &MaybeGated<cls>)
 
 }  // namespace matex_kernels
 

@@ -241,12 +241,12 @@ class CommInfoOp : public OpKernel {
 };
 
 using tensorflow::DEVICE_CPU;
-REGISTER_KERNEL_BUILDER(Name("MatexAllreduce").Device(DEVICE_CPU), AllreduceOp);
-REGISTER_KERNEL_BUILDER(Name("MatexGroupedAllreduce").Device(DEVICE_CPU), GroupedAllreduceOp);
-REGISTER_KERNEL_BUILDER(Name("MatexBroadcast").Device(DEVICE_CPU), BroadcastOp);
-REGISTER_KERNEL_BUILDER(Name("MatexAllgather").Device(DEVICE_CPU), AllgatherOp);
-REGISTER_KERNEL_BUILDER(Name("MatexAlltoall").Device(DEVICE_CPU), AlltoallOp);
-REGISTER_KERNEL_BUILDER(Name("MatexReducescatter").Device(DEVICE_CPU), ReducescatterOp);
+MATEX_REGISTER_GATED(Name("MatexAllreduce").Device(DEVICE_CPU), AllreduceOp);
+MATEX_REGISTER_GATED(Name("MatexGroupedAllreduce").Device(DEVICE_CPU), GroupedAllreduceOp);
+MATEX_REGISTER_GATED(Name("MatexBroadcast").Device(DEVICE_CPU), BroadcastOp);
+MATEX_REGISTER_GATED(Name("MatexAllgather").Device(DEVICE_CPU), AllgatherOp);
+MATEX_REGISTER_GATED(Name("MatexAlltoall").Device(DEVICE_CPU), AlltoallOp);
+MATEX_REGISTER_GATED(Name("MatexReducescatter").Device(DEVICE_CPU), ReducescatterOp);
 REGISTER_KERNEL_BUILDER(Name("MatexCommInfo").Device(DEVICE_CPU), CommInfoOp);
 
 }  // namespace

@@ -168,9 +168,9 @@ class SendRecvOp : public OpKernel {
 };
 
 using tensorflow::DEVICE_CPU;
-REGISTER_KERNEL_BUILDER(Name("MatexSend").Device(DEVICE_CPU), SendOp);
-REGISTER_KERNEL_BUILDER(Name("MatexRecv").Device(DEVICE_CPU).HostMemory("shape"), RecvOp);
-REGISTER_KERNEL_BUILDER(Name("MatexSendRecv").Device(DEVICE_CPU).HostMemory("recv_shape"),
-                        SendRecvOp);
+MATEX_REGISTER_GATED(Name("MatexSend").Device(DEVICE_CPU), SendOp);
+MATEX_REGISTER_GATED(Name("MatexRecv").Device(DEVICE_CPU).HostMemory("shape"), RecvOp);
+MATEX_REGISTER_GATED(Name("MatexSendRecv").Device(DEVICE_CPU).HostMemory("recv_shape"),
+                     SendRecvOp);
 
 }  // namespace

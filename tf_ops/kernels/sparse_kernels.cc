@@ -99,7 +99,7 @@ class SparseAllreduceOp : public OpKernel {
   int comm_ = 0;
 };
 
-REGISTER_KERNEL_BUILDER(Name("MatexSparseAllreduce").Device(tensorflow::DEVICE_CPU),
-                        SparseAllreduceOp);
+MATEX_REGISTER_GATED(Name("MatexSparseAllreduce").Device(tensorflow::DEVICE_CPU),
+                     SparseAllreduceOp);
 
 }  // namespace

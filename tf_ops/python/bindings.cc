@@ -214,6 +214,8 @@ PYBIND11_MODULE(_matex_core, m) {
   m.def("set_agreement_check", &matex::SetAgreementCheck, py::arg("enabled"));
   m.def("agreement_check", &matex::AgreementCheck);
   m.def("collective_call_count", &matex::CollectiveCallCount);
+  m.def("begin_graph_run", &matex::BeginGraphRun, py::arg("order"));
+  m.def("end_graph_run", &matex::EndGraphRun);
   m.def("start_progress_thread", &matex::StartProgressThread, py::arg("interval_seconds"),
         py::call_guard<py::gil_scoped_release>());
   m.def("stop_progress_thread", &matex::StopProgressThread,
