@@ -36,7 +36,7 @@ from typing import Any
 import numpy as np
 import tensorflow as tf
 
-from matex.legacy import _optimizer_v1, _session
+from matex.legacy import _optimizer_v1, _schedule, _session
 
 HOOK = "matex.legacy.script"
 _WEIGHT = "matex_row_weight"
@@ -136,7 +136,7 @@ class _Plan:
 
 def _fetched_ops(graph: tf.Graph, fetches: Any) -> list:
     ops = []
-    for item in tf.nest.flatten(fetches):
+    for item in _schedule._flat(fetches):
         if isinstance(item, (str, tf.Tensor, tf.Operation, tf.Variable)):
             try:
                 element = graph.as_graph_element(item)

@@ -58,17 +58,16 @@ def _train(make, distributed, steps=5, wrap=None):
     with graph.as_default():
         x, y, loss = _model(float(hvd.rank()) if distributed else 0.0)
         step = v1.train.get_or_create_global_step()
-        # TEMPORARY until the graph-collective scheduler lands (branch graph): the broadcast is
-        # made before the gradients' allreduce, which every later MaTEx op waits for
-        bcast = hvd.broadcast_global_variables(0) if distributed else None
         opt = make()
         if distributed:
             opt = (wrap or hvd.DistributedOptimizer)(opt)
         train = opt.minimize(loss, global_step=step)
+        # made after the gradients' allreduce, run alone with the placeholders unfed
+        bcast = hvd.broadcast_global_variables(0) if distributed else None
         with v1.Session(graph=graph) as sess:
             sess.run(v1.global_variables_initializer())
             if distributed:
-                sess.run(bcast)   # slots start equal (zeros) on every rank
+                sess.run(bcast)
             xs, ys = _data()
             if distributed:
                 xs, ys = _shard(xs), _shard(ys)
