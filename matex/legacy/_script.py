@@ -154,6 +154,8 @@ def _plan(graph: tf.Graph, fetches: Any) -> _Plan:
     if plan is None:
         reduced = set(_optimizer_v1.reduced_ops(graph))
         trains = bool(reduced) and _reaches(ops, reduced)
+        if len(plans) >= 512:   # a loop that adds ops every step changes the key each time
+            plans.clear()
         plan = plans[key] = _Plan(trains, _initialized(graph, ops))
     return plan
 
