@@ -57,6 +57,7 @@ _installed = False
 _install_lock = threading.Lock()
 _run_lock = threading.Lock()   # one scheduled run at a time in this process
 _plans = weakref.WeakKeyDictionary()   # graph -> {(fetch key, feed key): _Plan}
+_MAX_PLANS = 512   # per graph: a loop that builds new fetches every step must not grow it
 stats = {"runs": 0, "scheduled": 0, "plans": 0}   # for tests and the benchmark
 
 
@@ -114,6 +115,8 @@ def _hook(run, session, fetches, feed_dict=None, options=None, run_metadata=None
     if plan is None:
         plan = _make_plan(graph, *keep)
         plan.keep = keep   # the ids in the key stay valid while the plan is cached
+        if len(plans) >= _MAX_PLANS:
+            plans.clear()
         plans[key] = plan
         stats["plans"] += 1
     stats["runs"] += 1

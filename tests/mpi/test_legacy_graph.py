@@ -226,3 +226,37 @@ def test_export_a_trained_meta_graph_for_a_plain_process():
             saver.save(s, os.path.join(directory, "model"))
             np.save(os.path.join(directory, "predicted.npy"), predicted)
     matex.allgather_object(0)   # written before any rank leaves
+
+
+def test_an_op_failing_before_its_collective_ends_the_run_on_every_rank():
+    """The first collective's input fails (on every rank) while a later one is queued for
+    its turn: the run ends with the failure, the queued collective is withdrawn (no hang)."""
+    g = tf.Graph()
+    with g.as_default():
+        bad = tf.debugging.check_numerics(tf.math.log(-tf.ones([2])), "boom")
+        first = matex.allreduce(bad, op="sum")
+        second = matex.allreduce(tf.ones([3]), op="sum")
+    with tf.compat.v1.Session(graph=g) as s:
+        for _ in range(3):
+            with pytest.raises(tf.errors.InvalidArgumentError, match="boom"):
+                s.run([second, first])
+        np.testing.assert_array_equal(s.run(second), np.full(3, float(N)))
+
+
+def test_a_shape_mismatch_inside_a_scheduled_collective_is_one_error_on_every_rank():
+    """Same collectives fetched, different shapes on some rank: the kernel's agreement check
+    reports it from the turnstile's thread as an error of the run (Horovod's code kept)."""
+    from matex import _collectives
+
+    g = tf.Graph()
+    with g.as_default():
+        queued = matex.allreduce(tf.ones([2]), op="sum")   # created first: runs first
+        odd = matex.allreduce(tf.ones([2 + (R == N - 1)]), op="sum")
+        with _collectives.mismatch_code(tf.errors.FAILED_PRECONDITION):
+            odd_hvd = matex.allreduce(tf.ones([1 + (R == 0)]), op="sum")
+    with tf.compat.v1.Session(graph=g) as s:
+        with pytest.raises(tf.errors.InvalidArgumentError, match="ranks disagree"):
+            s.run([odd, queued])
+        with pytest.raises(tf.errors.FailedPreconditionError, match="ranks disagree"):
+            s.run(odd_hvd)
+        np.testing.assert_array_equal(s.run(queued), np.full(2, float(N)))

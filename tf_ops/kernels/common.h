@@ -151,7 +151,8 @@ inline void HugePagesFor(const Tensor& t) {
 constexpr char kSeqAttr[] = "_matex_seq";
 
 // `K`, asynchronous: a kernel whose turn has not come is queued (no executor
-// thread waits for it), and a cancelled run withdraws it.
+// thread waits for it), and a cancelled run withdraws it. `K::Run(ctx)` does
+// the work and returns its error (OP_REQUIRES in an async kernel aborts).
 template <class K>
 class Gated : public tensorflow::AsyncOpKernel {
  public:
@@ -181,13 +182,13 @@ class Gated : public tensorflow::AsyncOpKernel {
     };
     auto turn = [this, ctx, done, release]() {
       release();
-      inner_.Compute(ctx);
+      ctx->SetStatus(inner_.Run(ctx));
       done();
     };
     switch (matex::TakeTurn(node, turn)) {
       case matex::Turn::kNow:
         release();
-        inner_.Compute(ctx);
+        ctx->SetStatus(inner_.Run(ctx));
         done();
         return;
       case matex::Turn::kUnscheduled:

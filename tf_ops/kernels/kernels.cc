@@ -26,18 +26,22 @@ class AllreduceOp : public OpKernel {
     OP_REQUIRES_OK(c, c->GetAttr("comm", &comm_));
     mismatch_ = MismatchCode(c);
   }
-  void Compute(OpKernelContext* ctx) override {
+  void Compute(OpKernelContext* ctx) override { OP_REQUIRES_OK(ctx, Run(ctx)); }
+
+  // The collective; an error is returned (Gated runs it asynchronously).
+  absl::Status Run(OpKernelContext* ctx) {
     SiteScope site(*this);
     // MPI reduces from the input into the output: no copy, and in place when
     // TensorFlow lets the output reuse the input's buffer.
     const Tensor& in = ctx->input(0);
     matex::DataType dtype;
-    OP_REQUIRES_OK(ctx, CoreType(in.dtype(), &dtype));
+    TF_RETURN_IF_ERROR(CoreType(in.dtype(), &dtype));
     Tensor* out = nullptr;
-    OP_REQUIRES_OK(ctx, ctx->forward_input_or_allocate_output({0}, 0, in.shape(), &out));
+    TF_RETURN_IF_ERROR(ctx->forward_input_or_allocate_output({0}, 0, in.shape(), &out));
     HugePagesFor(*out);
-    OP_REQUIRES_OK(ctx, ToTf(matex::Allreduce(Ref(in), Mutable(Ref(*out)), dtype, op_, comm_),
+    TF_RETURN_IF_ERROR(ToTf(matex::Allreduce(Ref(in), Mutable(Ref(*out)), dtype, op_, comm_),
                              "matex allreduce", mismatch_));
+    return absl::OkStatus();
   }
 
  private:
@@ -53,29 +57,32 @@ class GroupedAllreduceOp : public OpKernel {
     OP_REQUIRES_OK(c, c->GetAttr("comm", &comm_));
     mismatch_ = MismatchCode(c);
   }
-  void Compute(OpKernelContext* ctx) override {
+  void Compute(OpKernelContext* ctx) override { OP_REQUIRES_OK(ctx, Run(ctx)); }
+
+  // The collective; an error is returned (Gated runs it asynchronously).
+  absl::Status Run(OpKernelContext* ctx) {
     SiteScope site(*this);
     const int n = ctx->num_inputs();
     matex::DataType dtype;
-    OP_REQUIRES_OK(ctx, CoreType(ctx->input(0).dtype(), &dtype));
+    TF_RETURN_IF_ERROR(CoreType(ctx->input(0).dtype(), &dtype));
     std::vector<matex::TensorRef> ins;
     std::vector<void*> outs;
     int64_t total = 0;
     for (int i = 0; i < n; ++i) {
       const Tensor& in = ctx->input(i);
       Tensor* out = nullptr;
-      OP_REQUIRES_OK(ctx, ctx->allocate_output(i, in.shape(), &out));
+      TF_RETURN_IF_ERROR(ctx->allocate_output(i, in.shape(), &out));
       ins.push_back(Ref(in));
       outs.push_back(const_cast<char*>(out->tensor_data().data()));
       total += in.NumElements();
     }
     Tensor scratch;
-    OP_REQUIRES_OK(ctx, ctx->allocate_temp(ctx->input(0).dtype(),
+    TF_RETURN_IF_ERROR(ctx->allocate_temp(ctx->input(0).dtype(),
                                            TensorShape({total}), &scratch));
-    OP_REQUIRES_OK(
-        ctx, ToTf(matex::FusedAllreduce(ins, outs, dtype, op_,
+    TF_RETURN_IF_ERROR(ToTf(matex::FusedAllreduce(ins, outs, dtype, op_,
                                         const_cast<char*>(scratch.tensor_data().data()), comm_),
                   "matex fused allreduce", mismatch_));
+    return absl::OkStatus();
   }
 
  private:
@@ -91,13 +98,17 @@ class BroadcastOp : public OpKernel {
     OP_REQUIRES_OK(c, c->GetAttr("comm", &comm_));
     mismatch_ = MismatchCode(c);
   }
-  void Compute(OpKernelContext* ctx) override {
+  void Compute(OpKernelContext* ctx) override { OP_REQUIRES_OK(ctx, Run(ctx)); }
+
+  // The collective; an error is returned (Gated runs it asynchronously).
+  absl::Status Run(OpKernelContext* ctx) {
     SiteScope site(*this);
     matex::DataType dtype;
     matex::TensorRef ref;
-    OP_REQUIRES_OK(ctx, InPlaceOutput(ctx, &dtype, &ref));
-    OP_REQUIRES_OK(ctx, ToTf(matex::Broadcast(Mutable(ref), ref.shape, dtype, root_, comm_),
+    TF_RETURN_IF_ERROR(InPlaceOutput(ctx, &dtype, &ref));
+    TF_RETURN_IF_ERROR(ToTf(matex::Broadcast(Mutable(ref), ref.shape, dtype, root_, comm_),
                              "matex broadcast", mismatch_));
+    return absl::OkStatus();
   }
 
  private:
@@ -134,17 +145,21 @@ class AllgatherOp : public OpKernel {
     OP_REQUIRES_OK(c, c->GetAttr("comm", &comm_));
     mismatch_ = MismatchCode(c);
   }
-  void Compute(OpKernelContext* ctx) override {
+  void Compute(OpKernelContext* ctx) override { OP_REQUIRES_OK(ctx, Run(ctx)); }
+
+  // The collective; an error is returned (Gated runs it asynchronously).
+  absl::Status Run(OpKernelContext* ctx) {
     SiteScope site(*this);
     const Tensor& in = ctx->input(0);
     matex::DataType dtype;
-    OP_REQUIRES_OK(ctx, CoreType(in.dtype(), &dtype));
+    TF_RETURN_IF_ERROR(CoreType(in.dtype(), &dtype));
     absl::Status alloc_status;
     auto allocate = RowsLike(ctx, in, &alloc_status);
     std::vector<int64_t> first_dims;
     matex::Status s = matex::Allgather(Ref(in), dtype, allocate, &first_dims, comm_);
-    OP_REQUIRES_OK(ctx, alloc_status);
-    OP_REQUIRES_OK(ctx, ToTf(s, "matex allgather", mismatch_));
+    TF_RETURN_IF_ERROR(alloc_status);
+    TF_RETURN_IF_ERROR(ToTf(s, "matex allgather", mismatch_));
+    return absl::OkStatus();
   }
 
  private:
@@ -168,27 +183,30 @@ class AlltoallOp : public OpKernel {
     OP_REQUIRES_OK(c, c->GetAttr("comm", &comm_));
     mismatch_ = MismatchCode(c);
   }
-  void Compute(OpKernelContext* ctx) override {
+  void Compute(OpKernelContext* ctx) override { OP_REQUIRES_OK(ctx, Run(ctx)); }
+
+  // The collective; an error is returned (Gated runs it asynchronously).
+  absl::Status Run(OpKernelContext* ctx) {
     SiteScope site(*this);
     const Tensor& in = ctx->input(0);
     const Tensor& splits_in = ctx->input(1);
     matex::DataType dtype;
-    OP_REQUIRES_OK(ctx, CoreType(in.dtype(), &dtype));
-    OP_REQUIRES(ctx, splits_in.dims() == 1,
-                absl::InvalidArgumentError("matex alltoall: splits must be a vector"));
+    TF_RETURN_IF_ERROR(CoreType(in.dtype(), &dtype));
+    if (!(splits_in.dims() == 1)) return absl::InvalidArgumentError("matex alltoall: splits must be a vector");
     const auto flat = splits_in.flat<int64_t>();
     std::vector<int64_t> splits(flat.data(), flat.data() + flat.size());
     absl::Status alloc_status;
     auto allocate = RowsLike(ctx, in, &alloc_status);
     std::vector<int64_t> received;
     matex::Status s = matex::Alltoall(Ref(in), splits, dtype, allocate, &received, comm_);
-    OP_REQUIRES_OK(ctx, alloc_status);
-    OP_REQUIRES_OK(ctx, InvalidIsArgument(s, "matex alltoall", mismatch_));
+    TF_RETURN_IF_ERROR(alloc_status);
+    TF_RETURN_IF_ERROR(InvalidIsArgument(s, "matex alltoall", mismatch_));
     Tensor* t = nullptr;
-    OP_REQUIRES_OK(ctx, ctx->allocate_output(
+    TF_RETURN_IF_ERROR(ctx->allocate_output(
                             1, TensorShape({int64_t(received.size())}), &t));
     auto r = t->flat<int32_t>();
     for (size_t i = 0; i < received.size(); ++i) r(i) = int32_t(received[i]);
+    return absl::OkStatus();
   }
 
  private:
@@ -203,16 +221,20 @@ class ReducescatterOp : public OpKernel {
     OP_REQUIRES_OK(c, c->GetAttr("comm", &comm_));
     mismatch_ = MismatchCode(c);
   }
-  void Compute(OpKernelContext* ctx) override {
+  void Compute(OpKernelContext* ctx) override { OP_REQUIRES_OK(ctx, Run(ctx)); }
+
+  // The collective; an error is returned (Gated runs it asynchronously).
+  absl::Status Run(OpKernelContext* ctx) {
     SiteScope site(*this);
     const Tensor& in = ctx->input(0);
     matex::DataType dtype;
-    OP_REQUIRES_OK(ctx, CoreType(in.dtype(), &dtype));
+    TF_RETURN_IF_ERROR(CoreType(in.dtype(), &dtype));
     absl::Status alloc_status;
     auto allocate = RowsLike(ctx, in, &alloc_status);
     matex::Status s = matex::Reducescatter(Ref(in), dtype, op_, allocate, comm_);
-    OP_REQUIRES_OK(ctx, alloc_status);
-    OP_REQUIRES_OK(ctx, InvalidIsArgument(s, "matex reducescatter", mismatch_));
+    TF_RETURN_IF_ERROR(alloc_status);
+    TF_RETURN_IF_ERROR(InvalidIsArgument(s, "matex reducescatter", mismatch_));
+    return absl::OkStatus();
   }
 
  private:

@@ -94,15 +94,19 @@ class SendOp : public OpKernel {
     OP_REQUIRES_OK(c, c->GetAttr("tag", &tag_));
     OP_REQUIRES_OK(c, c->GetAttr("comm", &comm_));
   }
-  void Compute(OpKernelContext* ctx) override {
+  void Compute(OpKernelContext* ctx) override { OP_REQUIRES_OK(ctx, Run(ctx)); }
+
+  // The collective; an error is returned (Gated runs it asynchronously).
+  absl::Status Run(OpKernelContext* ctx) {
     SiteScope site(*this);
     const Tensor& in = ctx->input(0);
     matex::DataType dtype;
-    OP_REQUIRES_OK(ctx, CoreType(in.dtype(), &dtype));
-    OP_REQUIRES_OK(ctx, ToTf(matex::Send(Ref(in), dtype, dest_, tag_, comm_), "matex send"));
+    TF_RETURN_IF_ERROR(CoreType(in.dtype(), &dtype));
+    TF_RETURN_IF_ERROR(ToTf(matex::Send(Ref(in), dtype, dest_, tag_, comm_), "matex send"));
     Tensor* token = nullptr;
-    OP_REQUIRES_OK(ctx, ctx->allocate_output(0, TensorShape({}), &token));
+    TF_RETURN_IF_ERROR(ctx->allocate_output(0, TensorShape({}), &token));
     std::memset(const_cast<char*>(token->tensor_data().data()), 0, token->tensor_data().size());
+    return absl::OkStatus();
   }
 
  private:
@@ -117,18 +121,22 @@ class RecvOp : public OpKernel {
     OP_REQUIRES_OK(c, c->GetAttr("comm", &comm_));
     OP_REQUIRES_OK(c, c->GetAttr("T", &dt_));
   }
-  void Compute(OpKernelContext* ctx) override {
+  void Compute(OpKernelContext* ctx) override { OP_REQUIRES_OK(ctx, Run(ctx)); }
+
+  // The collective; an error is returned (Gated runs it asynchronously).
+  absl::Status Run(OpKernelContext* ctx) {
     SiteScope site(*this);
     TensorShape shape;
     std::vector<int64_t> dims;
-    OP_REQUIRES_OK(ctx, ShapeFrom(ctx->input(1), &shape, &dims));
+    TF_RETURN_IF_ERROR(ShapeFrom(ctx->input(1), &shape, &dims));
     matex::DataType dtype;
-    OP_REQUIRES_OK(ctx, CoreType(dt_, &dtype));
+    TF_RETURN_IF_ERROR(CoreType(dt_, &dtype));
     Tensor* out = nullptr;
-    OP_REQUIRES_OK(ctx, ctx->allocate_output(0, shape, &out));
+    TF_RETURN_IF_ERROR(ctx->allocate_output(0, shape, &out));
     HugePagesFor(*out);
-    OP_REQUIRES_OK(ctx, ToTf(matex::Recv(Mutable(Ref(*out)), dims, dtype, source_, tag_, comm_),
+    TF_RETURN_IF_ERROR(ToTf(matex::Recv(Mutable(Ref(*out)), dims, dtype, source_, tag_, comm_),
                              "matex recv"));
+    return absl::OkStatus();
   }
 
  private:
@@ -145,21 +153,25 @@ class SendRecvOp : public OpKernel {
     OP_REQUIRES_OK(c, c->GetAttr("comm", &comm_));
     OP_REQUIRES_OK(c, c->GetAttr("R", &recv_dt_));
   }
-  void Compute(OpKernelContext* ctx) override {
+  void Compute(OpKernelContext* ctx) override { OP_REQUIRES_OK(ctx, Run(ctx)); }
+
+  // The collective; an error is returned (Gated runs it asynchronously).
+  absl::Status Run(OpKernelContext* ctx) {
     SiteScope site(*this);
     const Tensor& in = ctx->input(0);
     matex::DataType dtype, recv_dtype;
-    OP_REQUIRES_OK(ctx, CoreType(in.dtype(), &dtype));
-    OP_REQUIRES_OK(ctx, CoreType(recv_dt_, &recv_dtype));
+    TF_RETURN_IF_ERROR(CoreType(in.dtype(), &dtype));
+    TF_RETURN_IF_ERROR(CoreType(recv_dt_, &recv_dtype));
     TensorShape shape;
     std::vector<int64_t> dims;
-    OP_REQUIRES_OK(ctx, ShapeFrom(ctx->input(1), &shape, &dims));
+    TF_RETURN_IF_ERROR(ShapeFrom(ctx->input(1), &shape, &dims));
     Tensor* out = nullptr;
-    OP_REQUIRES_OK(ctx, ctx->allocate_output(0, shape, &out));
+    TF_RETURN_IF_ERROR(ctx->allocate_output(0, shape, &out));
     HugePagesFor(*out);
-    OP_REQUIRES_OK(ctx, ToTf(matex::SendRecv(Ref(in), dtype, dest_, Mutable(Ref(*out)), dims,
+    TF_RETURN_IF_ERROR(ToTf(matex::SendRecv(Ref(in), dtype, dest_, Mutable(Ref(*out)), dims,
                                              recv_dtype, source_, tag_, comm_),
                              "matex sendrecv"));
+    return absl::OkStatus();
   }
 
  private:

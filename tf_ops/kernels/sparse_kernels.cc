@@ -45,19 +45,20 @@ class SparseAllreduceOp : public OpKernel {
     OP_REQUIRES_OK(c, c->GetAttr("comm", &comm_));
   }
 
-  void Compute(OpKernelContext* ctx) override {
+  void Compute(OpKernelContext* ctx) override { OP_REQUIRES_OK(ctx, Run(ctx)); }
+
+  // The collective; an error is returned (Gated runs it asynchronously).
+  absl::Status Run(OpKernelContext* ctx) {
     SiteScope site(*this);
     const Tensor& indices = ctx->input(0);
     const Tensor& values = ctx->input(1);
-    OP_REQUIRES(ctx, indices.dims() == 1,
-                absl::InvalidArgumentError("sparse allreduce: indices must be a vector"));
-    OP_REQUIRES(ctx, values.dims() >= 1 && values.dim_size(0) == indices.dim_size(0),
-                absl::InvalidArgumentError(
+    if (!(indices.dims() == 1)) return absl::InvalidArgumentError("sparse allreduce: indices must be a vector");
+    if (!(values.dims() >= 1 && values.dim_size(0) == indices.dim_size(0))) return absl::InvalidArgumentError(
                     "sparse allreduce: values must have one row per index (values " +
                     values.shape().DebugString() + ", indices " +
-                    indices.shape().DebugString() + ")"));
+                    indices.shape().DebugString() + ")");
     matex::DataType dtype = matex::DataType::kFloat32;
-    OP_REQUIRES_OK(ctx, CoreType(values.dtype(), &dtype));
+    TF_RETURN_IF_ERROR(CoreType(values.dtype(), &dtype));
     const int64_t dense_rows = ctx->input(2).scalar<int64_t>()();
     const int64_t switch_rows = ctx->input(3).scalar<int64_t>()();
     std::vector<int64_t> row_shape;
@@ -83,16 +84,16 @@ class SparseAllreduceOp : public OpKernel {
     matex::Status s = matex::SparseAllreduce(
         indices.flat<int64_t>().data(), indices.dim_size(0), values.tensor_data().data(),
         row_shape, dense_rows, dtype, switch_rows, allocate, &sent, comm_);
-    OP_REQUIRES_OK(ctx, alloc_status);
+    TF_RETURN_IF_ERROR(alloc_status);
     // Bad input (an index out of range on some rank) is the caller's error.
-    OP_REQUIRES(ctx, s.kind != matex::Status::Kind::kInvalid,
-                absl::InvalidArgumentError("matex sparse allreduce: " + s.message));
-    OP_REQUIRES_OK(ctx, ToTf(s, "matex sparse allreduce"));
+    if (!(s.kind != matex::Status::Kind::kInvalid)) return absl::InvalidArgumentError("matex sparse allreduce: " + s.message);
+    TF_RETURN_IF_ERROR(ToTf(s, "matex sparse allreduce"));
     Tensor* t = nullptr;
-    OP_REQUIRES_OK(ctx, ctx->allocate_output(2, TensorShape({}), &t));
+    TF_RETURN_IF_ERROR(ctx->allocate_output(2, TensorShape({}), &t));
     t->scalar<bool>()() = dense;
-    OP_REQUIRES_OK(ctx, ctx->allocate_output(3, TensorShape({}), &t));
+    TF_RETURN_IF_ERROR(ctx->allocate_output(3, TensorShape({}), &t));
     t->scalar<int64_t>()() = sent;
+    return absl::OkStatus();
   }
 
  private:
