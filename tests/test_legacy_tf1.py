@@ -34,7 +34,7 @@ def test_unmodified_tf1_script_matches_one_process(nranks, tmp_path):
     variable and slot equal on every rank and to one process, and the evaluation run over
     all rows (not split: no training in it) equal to one process's on every rank."""
     one, many = str(tmp_path / "one"), str(tmp_path / "many")
-    subprocess.run([sys.executable, PLAIN, one], check=True, timeout=300, capture_output=True,
+    subprocess.run([sys.executable, PLAIN, one], check=True, timeout=900, capture_output=True,
                    env={**os.environ, "TF_CPP_MIN_LOG_LEVEL": "3"})
     proc = mpitools.run_mpi(nranks, [sys.executable, "-m", "matex", PLAIN, many], timeout=600)
     assert proc.returncode == 0, proc.stderr[-5000:]
@@ -59,7 +59,7 @@ def test_horovod_tf1_script_matches_one_process(nranks, tmp_path):
     hvd.allreduce'd losses equal to one process's."""
     one, many = str(tmp_path / "one"), str(tmp_path / "many")
     subprocess.run([sys.executable, "-m", "matex", "--horovod", HOROVOD, one], check=True,
-                   timeout=300, capture_output=True,
+                   timeout=900, capture_output=True,   # (may build the ops first)
                    env={**os.environ, "TF_CPP_MIN_LOG_LEVEL": "3"})
     proc = mpitools.run_mpi(nranks, [sys.executable, "-m", "matex", "--horovod", HOROVOD,
                                      many], timeout=600)
