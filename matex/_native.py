@@ -85,6 +85,12 @@ def _register_ops(tensorflow) -> None:
         return
     try:
         tf_ops()
+        # a graph imported here holds numbered collectives made by another process: its
+        # Session.run is scheduled (and the kernels get the communicator) although this
+        # process made no MaTEx op
+        from matex.legacy import _schedule
+
+        _schedule.install()
     except Exception as exc:  # noqa: BLE001 - must never break the user's `import tensorflow`
         logging.getLogger("matex").warning(
             "matex: could not load MaTEx's TensorFlow ops at import (%s: %s); graphs "

@@ -1,5 +1,6 @@
 """TF1 graph collectives under real mpiexec (tests/mpi/test_legacy_graph.py, 2 and 3 ranks),
-and a meta graph exported by a 2-rank run imported and run by a plain process (no mpiexec)."""
+and a meta graph exported by a 2-rank run imported and run by a plain process (no mpiexec):
+its inference part, and one of its collectives as a single rank."""
 
 import os
 import subprocess
@@ -20,6 +21,10 @@ with tf.Graph().as_default() as g, tf.compat.v1.Session(graph=g) as s:
     types = {{op.type for op in g.get_operations()}}
     assert {{"MatexAllreduce", "MatexBroadcast"}} <= types, types
     got = s.run("pred:0", {{"x:0": np.arange(6, dtype="float32").reshape(2, 3)}})
+    # a collective of the imported graph runs too, as one rank (MPI's singleton)
+    bcast = [op for op in g.get_operations() if op.type == "MatexBroadcast"][0]
+    value, sent = s.run([bcast.outputs[0], bcast.inputs[0]])
+    np.testing.assert_array_equal(value, sent)
 np.testing.assert_allclose(got, np.load(directory + "/predicted.npy"), rtol=1e-6)
 print("PREDICTED", got.ravel().tolist())
 """
@@ -27,7 +32,7 @@ print("PREDICTED", got.ravel().tolist())
 
 @pytest.mark.parametrize("nranks", [2, 3])
 def test_graph_collectives_suite(nranks, tmp_path):
-    assert mpitools.run_suite(nranks, ["test_legacy_graph.py"], tmp_path) >= 12
+    assert mpitools.run_suite(nranks, ["test_legacy_graph.py"], tmp_path) >= 13
 
 
 @pytest.mark.parametrize("first", ["import matex\nimport tensorflow as tf",

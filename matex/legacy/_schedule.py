@@ -124,12 +124,14 @@ def _hook(run, session, fetches, feed_dict=None, options=None, run_metadata=None
         raise plan.error
     if not plan.order:
         return run(fetches, feed_dict, options, run_metadata)
-    from matex import _native
+    from matex import _runtime
 
     with _run_lock:
+        # the communicator handed to the kernels (a graph imported in this process has
+        # collectives that no MaTEx call here made), then the agreement
+        core = _runtime._core()
         if plan.agree:
             _agree(plan)
-        core = _native.core()
         core.begin_graph_run(plan.order)
         try:
             stats["scheduled"] += 1

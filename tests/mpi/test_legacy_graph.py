@@ -10,8 +10,9 @@ import tensorflow as tf
 
 import matex
 from matex import _native
-from matex.legacy import _schedule
+from matex.legacy import _schedule, _session
 
+HOOKED_AT_IMPORT = _schedule.HOOK_NAME in _session.run_hooks()   # before any graph is built
 R, N = matex.rank(), matex.size()
 FEED = {"rows": 4}
 
@@ -260,3 +261,22 @@ def test_a_shape_mismatch_inside_a_scheduled_collective_is_one_error_on_every_ra
         with pytest.raises(tf.errors.FailedPreconditionError, match="ranks disagree"):
             s.run(odd_hvd)
         np.testing.assert_array_equal(s.run(queued), np.full(2, float(N)))
+
+
+def test_an_imported_graph_is_scheduled_too():
+    """A GraphDef made elsewhere (a meta graph, a frozen graph) keeps its ops' numbers; an
+    MPI job schedules it although it made no MaTEx op itself (hook installed at import)."""
+    assert HOOKED_AT_IMPORT
+    source, outs, _ = independent(6)
+    names = [o.name for o in outs]
+    g = tf.Graph()
+    with g.as_default():
+        tf.graph_util.import_graph_def(source.as_graph_def(), name="")
+    with tf.compat.v1.Session(graph=g) as s:
+        for trial in range(4):
+            order = list(range(len(names)))
+            if (R + trial) % 2:
+                order.reverse()
+            got = s.run([names[i] for i in order])
+            for i, v in zip(order, got):
+                np.testing.assert_array_equal(v, expected(i))

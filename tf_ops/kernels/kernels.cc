@@ -40,7 +40,7 @@ class AllreduceOp : public OpKernel {
     TF_RETURN_IF_ERROR(ctx->forward_input_or_allocate_output({0}, 0, in.shape(), &out));
     HugePagesFor(*out);
     TF_RETURN_IF_ERROR(ToTf(matex::Allreduce(Ref(in), Mutable(Ref(*out)), dtype, op_, comm_),
-                             "matex allreduce", mismatch_));
+                            "matex allreduce", mismatch_));
     return absl::OkStatus();
   }
 
@@ -77,11 +77,12 @@ class GroupedAllreduceOp : public OpKernel {
       total += in.NumElements();
     }
     Tensor scratch;
-    TF_RETURN_IF_ERROR(ctx->allocate_temp(ctx->input(0).dtype(),
-                                           TensorShape({total}), &scratch));
+    TF_RETURN_IF_ERROR(
+        ctx->allocate_temp(ctx->input(0).dtype(), TensorShape({total}), &scratch));
     TF_RETURN_IF_ERROR(ToTf(matex::FusedAllreduce(ins, outs, dtype, op_,
-                                        const_cast<char*>(scratch.tensor_data().data()), comm_),
-                  "matex fused allreduce", mismatch_));
+                                                  const_cast<char*>(scratch.tensor_data().data()),
+                                                  comm_),
+                            "matex fused allreduce", mismatch_));
     return absl::OkStatus();
   }
 
@@ -107,7 +108,7 @@ class BroadcastOp : public OpKernel {
     matex::TensorRef ref;
     TF_RETURN_IF_ERROR(InPlaceOutput(ctx, &dtype, &ref));
     TF_RETURN_IF_ERROR(ToTf(matex::Broadcast(Mutable(ref), ref.shape, dtype, root_, comm_),
-                             "matex broadcast", mismatch_));
+                            "matex broadcast", mismatch_));
     return absl::OkStatus();
   }
 
@@ -192,7 +193,9 @@ class AlltoallOp : public OpKernel {
     const Tensor& splits_in = ctx->input(1);
     matex::DataType dtype;
     TF_RETURN_IF_ERROR(CoreType(in.dtype(), &dtype));
-    if (!(splits_in.dims() == 1)) return absl::InvalidArgumentError("matex alltoall: splits must be a vector");
+    if (splits_in.dims() != 1) {
+      return absl::InvalidArgumentError("matex alltoall: splits must be a vector");
+    }
     const auto flat = splits_in.flat<int64_t>();
     std::vector<int64_t> splits(flat.data(), flat.data() + flat.size());
     absl::Status alloc_status;
@@ -202,8 +205,8 @@ class AlltoallOp : public OpKernel {
     TF_RETURN_IF_ERROR(alloc_status);
     TF_RETURN_IF_ERROR(InvalidIsArgument(s, "matex alltoall", mismatch_));
     Tensor* t = nullptr;
-    TF_RETURN_IF_ERROR(ctx->allocate_output(
-                            1, TensorShape({int64_t(received.size())}), &t));
+    TF_RETURN_IF_ERROR(
+        ctx->allocate_output(1, TensorShape({int64_t(received.size())}), &t));
     auto r = t->flat<int32_t>();
     for (size_t i = 0; i < received.size(); ++i) r(i) = int32_t(received[i]);
     return absl::OkStatus();

@@ -135,7 +135,7 @@ class RecvOp : public OpKernel {
     TF_RETURN_IF_ERROR(ctx->allocate_output(0, shape, &out));
     HugePagesFor(*out);
     TF_RETURN_IF_ERROR(ToTf(matex::Recv(Mutable(Ref(*out)), dims, dtype, source_, tag_, comm_),
-                             "matex recv"));
+                            "matex recv"));
     return absl::OkStatus();
   }
 
@@ -169,8 +169,8 @@ class SendRecvOp : public OpKernel {
     TF_RETURN_IF_ERROR(ctx->allocate_output(0, shape, &out));
     HugePagesFor(*out);
     TF_RETURN_IF_ERROR(ToTf(matex::SendRecv(Ref(in), dtype, dest_, Mutable(Ref(*out)), dims,
-                                             recv_dtype, source_, tag_, comm_),
-                             "matex sendrecv"));
+                                            recv_dtype, source_, tag_, comm_),
+                            "matex sendrecv"));
     return absl::OkStatus();
   }
 

@@ -52,11 +52,14 @@ class SparseAllreduceOp : public OpKernel {
     SiteScope site(*this);
     const Tensor& indices = ctx->input(0);
     const Tensor& values = ctx->input(1);
-    if (!(indices.dims() == 1)) return absl::InvalidArgumentError("sparse allreduce: indices must be a vector");
-    if (!(values.dims() >= 1 && values.dim_size(0) == indices.dim_size(0))) return absl::InvalidArgumentError(
-                    "sparse allreduce: values must have one row per index (values " +
-                    values.shape().DebugString() + ", indices " +
-                    indices.shape().DebugString() + ")");
+    if (indices.dims() != 1) {
+      return absl::InvalidArgumentError("sparse allreduce: indices must be a vector");
+    }
+    if (!(values.dims() >= 1 && values.dim_size(0) == indices.dim_size(0))) {
+      return absl::InvalidArgumentError(
+          "sparse allreduce: values must have one row per index (values " +
+          values.shape().DebugString() + ", indices " + indices.shape().DebugString() + ")");
+    }
     matex::DataType dtype = matex::DataType::kFloat32;
     TF_RETURN_IF_ERROR(CoreType(values.dtype(), &dtype));
     const int64_t dense_rows = ctx->input(2).scalar<int64_t>()();
@@ -86,7 +89,9 @@ class SparseAllreduceOp : public OpKernel {
         row_shape, dense_rows, dtype, switch_rows, allocate, &sent, comm_);
     TF_RETURN_IF_ERROR(alloc_status);
     // Bad input (an index out of range on some rank) is the caller's error.
-    if (!(s.kind != matex::Status::Kind::kInvalid)) return absl::InvalidArgumentError("matex sparse allreduce: " + s.message);
+    if (s.kind == matex::Status::Kind::kInvalid) {
+      return absl::InvalidArgumentError("matex sparse allreduce: " + s.message);
+    }
     TF_RETURN_IF_ERROR(ToTf(s, "matex sparse allreduce"));
     Tensor* t = nullptr;
     TF_RETURN_IF_ERROR(ctx->allocate_output(2, TensorShape({}), &t));
