@@ -282,7 +282,7 @@ class RankLostInSession(RuntimeError):
 def _lost_a_rank(exc: BaseException) -> bool:
     from matex import _resilience
 
-    if _resilience.is_failure(exc):
+    if _resilience.is_failure(exc):   # also the scheduler's agreement (an MPI.Exception)
         return True
     # a TF1 Session drops the op's MPI payload: ask the communicators instead
     return isinstance(exc, tf.errors.OpError) and _resilience.failure_known()
@@ -309,4 +309,4 @@ def install_ft() -> None:
     from matex import _resilience
 
     if _resilience.mode() == "ulfm":
-        _session.add_run_hook(FT_HOOK, _ft_hook)
+        _session.add_run_hook(FT_HOOK, _ft_hook, outermost=True)   # around the scheduler

@@ -62,11 +62,19 @@ def _install() -> None:
     cls.run = run
 
 
-def add_run_hook(name: str, hook: Hook) -> None:
-    """Call ``hook`` around every TF1 ``Session.run`` from now on (replacing ``name``'s)."""
+def add_run_hook(name: str, hook: Hook, outermost: bool = False) -> None:
+    """Call ``hook`` around every TF1 ``Session.run`` from now on (replacing ``name``'s).
+
+    ``outermost``: called first, around the hooks already added (one that must see
+    every other hook's errors, as ``--ft``'s does).
+    """
+    global _hooks
     with _lock:
         _install()
-        _hooks[name] = hook
+        if outermost:
+            _hooks = {name: hook, **{k: h for k, h in _hooks.items() if k != name}}
+        else:
+            _hooks[name] = hook
 
 
 def remove_run_hook(name: str) -> None:
