@@ -71,13 +71,13 @@ def worker(args):
     def variant(step, scheduled):
         def measure():
             if scheduled:
-                _session.add_run_hook(_schedule.HOOK_NAME, _schedule._hook)
+                _session.add_run_hook(_schedule.HOOK_NAME, _schedule._hook, innermost=True)
             else:
                 _session.remove_run_hook(_schedule.HOOK_NAME)
             try:
                 return _common.per_call(lambda: session.run(step, feed), calls, world.Barrier)
             finally:
-                _session.add_run_hook(_schedule.HOOK_NAME, _schedule._hook)
+                _session.add_run_hook(_schedule.HOOK_NAME, _schedule._hook, innermost=True)
         return measure
 
     for step in steps.values():   # plans and kernels made outside the timing

@@ -104,7 +104,7 @@ def test_horovod_script_runs_unmodified_on_two_ranks_as_on_one(tmp_path):
     assert [r["alltoall_splits"] for r in ranks] == [[[0, 1], [1, 1]]] * 2
     # a graph's broadcast_ assigns the root's value (rank 1's: 1.0) when run
     assert [r["graph_broadcast_"] for r in ranks] == [[[1.0, 1.0], [1.0, 1.0]]] * 2
-    assert [r["graph_ordered"] for r in [alone] + ranks] == [True] * 3
+    assert [r["graph_unchained"] for r in [alone] + ranks] == [True] * 3
     assert [r["graph_together"] for r in ranks] == [[[0, 1, 1], [3.0] * 3]] * 2
     # mismatches in graphs: Horovod's error from the compat layer's ops, MaTEx's from its own
     fp, ia = "FailedPreconditionError", "InvalidArgumentError"

@@ -82,7 +82,8 @@ def install() -> None:
         return
     with _install_lock:
         if not _installed:
-            _session.add_run_hook(HOOK_NAME, _hook)
+            # innermost: it plans the fetches and feeds TensorFlow will actually get
+            _session.add_run_hook(HOOK_NAME, _hook, innermost=True)
             _installed = True
 
 

@@ -309,4 +309,4 @@ def install_ft() -> None:
     from matex import _resilience
 
     if _resilience.mode() == "ulfm":
-        _session.add_run_hook(FT_HOOK, _ft_hook, outermost=True)   # around the scheduler
+        _session.add_run_hook(FT_HOOK, _ft_hook)   # outside the scheduler (innermost)

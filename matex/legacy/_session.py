@@ -15,7 +15,10 @@ Each registers a hook under a name; the first ``add_run_hook`` installs the
 wrapper once. A hook is called as ``hook(run, session, fetches, feed_dict,
 options, run_metadata)`` and returns what ``run`` returns: it calls ``run``
 (the next hook, or TensorFlow's method) with the same or changed arguments,
-and may act before and after. Hooks run in the order they were added.
+and may act before and after. Hooks run in the order they were added, except
+those added with ``innermost=True`` (the scheduler), which run after all the
+others, closest to TensorFlow: they see the fetches and feeds the other hooks
+hand on.
 """
 
 from __future__ import annotations
@@ -27,12 +30,13 @@ from typing import Any, Callable
 Hook = Callable[..., Any]
 
 _hooks: dict[str, Hook] = {}   # name -> hook, in the order added
+_innermost: dict[str, Hook] = {}   # the same, called after every hook of _hooks
 _lock = threading.Lock()
 _original: Callable[..., Any] | None = None   # TensorFlow's BaseSession.run, once wrapped
 
 
 def _run_through_hooks(session, fetches, feed_dict=None, options=None, run_metadata=None):
-    hooks = list(_hooks.values())
+    hooks = list(_hooks.values()) + list(_innermost.values())
 
     def call(index, fetches, feed_dict, options, run_metadata):
         if index == len(hooks):
@@ -54,7 +58,7 @@ def _install() -> None:
 
     @functools.wraps(_original)
     def run(self, fetches, feed_dict=None, options=None, run_metadata=None):
-        if not _hooks:
+        if not _hooks and not _innermost:
             return _original(self, fetches, feed_dict, options, run_metadata)
         return _run_through_hooks(self, fetches, feed_dict, options, run_metadata)
 
@@ -62,27 +66,25 @@ def _install() -> None:
     cls.run = run
 
 
-def add_run_hook(name: str, hook: Hook, outermost: bool = False) -> None:
+def add_run_hook(name: str, hook: Hook, innermost: bool = False) -> None:
     """Call ``hook`` around every TF1 ``Session.run`` from now on (replacing ``name``'s).
 
-    ``outermost``: called first, around the hooks already added (one that must see
-    every other hook's errors, as ``--ft``'s does).
+    ``innermost``: call it after every hook added without it, whenever added.
     """
-    global _hooks
     with _lock:
         _install()
-        if outermost:
-            _hooks = {name: hook, **{k: h for k, h in _hooks.items() if k != name}}
-        else:
-            _hooks[name] = hook
+        _hooks.pop(name, None)
+        _innermost.pop(name, None)
+        (_innermost if innermost else _hooks)[name] = hook
 
 
 def remove_run_hook(name: str) -> None:
     """Stop calling the hook registered as ``name`` (no error if there is none)."""
     with _lock:
         _hooks.pop(name, None)
+        _innermost.pop(name, None)
 
 
 def run_hooks() -> list[str]:
     """The names of the hooks in force, in calling order."""
-    return list(_hooks)
+    return list(_hooks) + list(_innermost)

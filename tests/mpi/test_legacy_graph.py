@@ -280,3 +280,24 @@ def test_an_imported_graph_is_scheduled_too():
             got = s.run([names[i] for i in order])
             for i, v in zip(order, got):
                 np.testing.assert_array_equal(v, expected(i))
+
+
+def test_the_scheduler_plans_what_an_outer_hook_hands_on():
+    """Another Session.run hook (the unmodified-script path's) may add fetches: the
+    scheduler runs innermost, so a collective added there is scheduled too."""
+    g, outs, _ = independent(3)
+
+    def outer(run, session, fetches, feed_dict, options, run_metadata):
+        if session.graph is not g:
+            return run(fetches, feed_dict, options, run_metadata)
+        return run([fetches, outs[2]], feed_dict, options, run_metadata)[0]
+
+    _session.add_run_hook("test.outer", outer)
+    try:
+        assert _session.run_hooks()[-1] == _schedule.HOOK_NAME
+        with tf.compat.v1.Session(graph=g) as s:
+            got, ran = sites(s, outs[0])
+            np.testing.assert_array_equal(got, expected(0))
+    finally:
+        _session.remove_run_hook("test.outer")
+    assert sorted(ran) == sorted([outs[0].op.name, outs[2].op.name])

@@ -20,7 +20,7 @@ different number, and the root of the broadcasts is the last rank (seeded
    error of an allreduce whose shapes differ between ranks, and a sum after it;
    what ``hvd.alltoall`` returns with and without splits.
 5. ``hvd.broadcast_`` in a TF1 graph run by a ``Session``; two independent
-   collectives fetched together, made in program order.
+   collectives fetched together (unchained, scheduled per run).
 6. The error of collectives whose shapes differ between ranks, run by a
    ``Session`` and in a ``tf.function``.
 """
@@ -165,12 +165,13 @@ report["alltoall_splits"] = [received.numpy().tolist(), received_splits.numpy().
 with tf.Graph().as_default():
     variable = tf.compat.v1.Variable([float(RANK)] * 2)
     assigned, = hvd_tf.broadcast_([variable], ROOT)
-    # independent collectives of one Session.run: made in program order (a control
-    # dependency on the previous one), so every rank runs them in the same order
+    # independent collectives of one Session.run: no dependency between them (each runs
+    # when fetched); the run's scheduler gives every rank the same order
     first = hvd_tf.allreduce(tf.ones([3]) * (RANK + 1), op=hvd_tf.Sum)
     second = hvd_tf.allgather(tf.fill([RANK + 1], RANK))
-    report["graph_ordered"] = any(op is first.op or first.op in op.control_inputs
-                                  for op in [second.op] + [i.op for i in second.op.inputs])
+    report["graph_unchained"] = not any(
+        op is first.op or first.op in op.control_inputs
+        for op in [second.op] + [i.op for i in second.op.inputs])
     with tf.compat.v1.Session() as session:
         session.run(variable.initializer)
         report["graph_broadcast_"] = [session.run(assigned).tolist(),
