@@ -229,7 +229,11 @@ def _run(argv):
         if not horovod:   # a Horovod script distributes itself (its data, its optimizer)
             _transparent.after_import("keras", _install_keras_patch)
             _transparent.after_import("tf_keras", _refuse_tf_keras)   # Keras 2: not covered
+            if size != 1:   # TF1 Session scripts (matex.legacy._script)
+                _transparent.after_import("tensorflow", _install_tf1_script)
         _transparent.after_import("keras_tuner", _install_tuner_hook)
+        if _config.ft_requested():   # a rank lost inside a TF1 Session.run: one clear error
+            _transparent.after_import("tensorflow", _install_tf1_ft)
         if module is not None:
             runpy.run_module(module, run_name="__main__", alter_sys=True)
         else:
@@ -281,6 +285,18 @@ def _refuse_tf_keras(module):
     from matex.legacy._keras2 import refuse_transparent
 
     refuse_transparent(module)
+
+
+def _install_tf1_script(module):
+    from matex.legacy._script import install
+
+    install()
+
+
+def _install_tf1_ft(module):
+    from matex.legacy._script import install_ft
+
+    install_ft()
 
 
 def _install_tuner_hook(module):

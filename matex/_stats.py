@@ -36,6 +36,10 @@ def record(names, sent, dense):
     """Add one step of ``sent`` and ``dense`` bytes (ints or int64 scalars) per name."""
     if not names:
         return
+    if not tf.executing_eagerly() and not tf.inside_function():
+        # a TF1 graph: stats() reads values eagerly, and a ledger variable would land in the
+        # script's graph (its global variables, its checkpoints) and in no other graph
+        return
     key = tuple(names)
     with _lock:
         ledger = _ledgers.get(key)

@@ -602,8 +602,9 @@ def DistributedOptimizer(optimizer: Any, name: str | None = None, use_locking: b
     gains Horovod's ``register_local_var(var)``: that variable's gradient is
     not reduced (divided by the number of ranks with
     ``scale_local_gradients``). ``process_set``: the gradients are reduced
-    over its members only (the others keep theirs). Not supported
-    (NotImplementedError): TF1 ``tf.compat.v1`` optimizers.
+    over its members only (the others keep theirs). A TF1
+    ``tf.compat.v1.train.Optimizer`` gives Horovod's TF1 optimizer
+    (``matex.legacy._optimizer_v1``): ``compute_gradients`` reduces.
     """
     return _distributed_optimizer(optimizer, compression, sparse_as_dense,
                                   backward_passes_per_step, op, gradient_predivide_factor,
@@ -651,9 +652,16 @@ def _distributed_optimizer(optimizer, compression, sparse_as_dense, backward_pas
 
     _check_training_args(what, backward_passes_per_step, gradient_predivide_factor, op,
                          num_groups, groups, process_set)
-    if isinstance(optimizer, tf.compat.v1.train.Optimizer):
-        raise NotImplementedError("%s: TF1 tf.compat.v1.train optimizers are not supported by "
-                                  "matex; use a Keras optimizer" % what)
+    if isinstance(optimizer, tf.compat.v1.train.Optimizer):   # TF1 graphs: matex.legacy
+        from matex.legacy import _optimizer_v1
+
+        reduction = HorovodReduction(_training_op(op, what),
+                                     _spec.from_spec(_compression_spec(compression)),
+                                     sparse_as_dense, backward_passes_per_step,
+                                     average_aggregated_gradients, local_layers or (),
+                                     scale_local_gradients)
+        return _optimizer_v1.horovod_optimizer(optimizer, _reduce_within(reduction, process_set),
+                                               what)
     spec = _compression_spec(compression)
     optimizer = matex.DistributedOptimizer(optimizer, op=_training_op(op, what),
                                            compression=spec)

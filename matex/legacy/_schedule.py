@@ -88,7 +88,14 @@ def install() -> None:
 
 
 def _flat(structure):
-    return tf.nest.flatten(structure, expand_composites=True)
+    try:
+        return tf.nest.flatten(structure, expand_composites=True)
+    except TypeError:   # a dict whose keys do not sort (MonitoredSession's: its hooks)
+        if isinstance(structure, dict):
+            return [x for value in structure.values() for x in _flat(value)]
+        if isinstance(structure, (list, tuple)):
+            return [x for value in structure for x in _flat(value)]
+        raise
 
 
 def _key(fetches, feed_dict):

@@ -53,4 +53,7 @@ from matex.horovod.tensorflow import elastic  # noqa: E402
 __all__ += ["elastic"]
 __all__ += ["ProcessSet", "global_process_set", "add_process_set",   # process sets
             "remove_process_set", "process_set_included_op"]
+from matex.legacy._optimizer_v1 import BroadcastGlobalVariablesHook  # noqa: E402 - TF1 Sessions
+
+__all__ += ["BroadcastGlobalVariablesHook"]
 from matex.horovod.tensorflow import mpi_ops  # noqa: E402,F401 - hvd.mpi_ops._basics (Horovod's tests)

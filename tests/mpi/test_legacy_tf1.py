@@ -1,0 +1,202 @@
+"""Horovod's TF1 API on MaTEx (``tf.compat.v1`` graphs and Sessions), per rank.
+
+Every training check runs the same graph twice: distributed (each rank feeds
+its rows of one global batch, rank-specific initial values, rank 0's
+broadcast) and in this process alone over the whole batch with the plain
+optimizer; losses (the ranks' mean) and final variables must agree, and the
+variables must be equal on every rank.
+"""
+
+import numpy as np
+import pytest
+import tensorflow as tf
+from mpi4py import MPI
+
+import matex.horovod.tensorflow as hvd
+
+v1 = tf.compat.v1
+COMM = MPI.COMM_WORLD
+ROWS = 12   # divisible by 2 and 3: equal shards, so the mean of the ranks' losses is global
+
+hvd.init()
+
+
+def _data():
+    rng = np.random.RandomState(7)
+    x = rng.rand(ROWS, 4).astype(np.float32)
+    y = (x @ np.array([[1.0], [-2.0], [0.5], [3.0]], np.float32)
+         + 0.1 * rng.randn(ROWS, 1).astype(np.float32))
+    return x, y
+
+
+def _shard(a):
+    rank, size = hvd.rank(), hvd.size()
+    return a[rank * ROWS // size:(rank + 1) * ROWS // size]
+
+
+def _model(offset):
+    """A two-layer regression graph; initial values are ``offset`` away from the reference."""
+    rng = np.random.RandomState(3)
+    x = v1.placeholder(tf.float32, [None, 4], name="x")
+    y = v1.placeholder(tf.float32, [None, 1], name="y")
+    w1 = v1.Variable(rng.randn(4, 3).astype(np.float32) + offset, name="w1")
+    b1 = v1.Variable(np.zeros(3, np.float32) + offset, name="b1")
+    w2 = v1.Variable(rng.randn(3, 1).astype(np.float32) + offset, name="w2")
+    loss = tf.reduce_mean(tf.square(tf.matmul(tf.tanh(tf.matmul(x, w1) + b1), w2) - y))
+    return x, y, loss
+
+
+OPTIMIZERS = {
+    "gd": lambda: v1.train.GradientDescentOptimizer(0.1),
+    "momentum": lambda: v1.train.MomentumOptimizer(0.05, 0.9),
+    "adam": lambda: v1.train.AdamOptimizer(0.05),
+}
+
+
+def _train(make, distributed, steps=5, wrap=None):
+    graph = tf.Graph()
+    with graph.as_default():
+        x, y, loss = _model(float(hvd.rank()) if distributed else 0.0)
+        step = v1.train.get_or_create_global_step()
+        opt = make()
+        if distributed:
+            opt = (wrap or hvd.DistributedOptimizer)(opt)
+        train = opt.minimize(loss, global_step=step)
+        # made after the gradients' allreduce, run alone with the placeholders unfed
+        bcast = hvd.broadcast_global_variables(0) if distributed else None
+        with v1.Session(graph=graph) as sess:
+            sess.run(v1.global_variables_initializer())
+            if distributed:
+                sess.run(bcast)
+            xs, ys = _data()
+            if distributed:
+                xs, ys = _shard(xs), _shard(ys)
+            losses = []
+            for _ in range(steps):
+                value, _ = sess.run([loss, train], {x: xs, y: ys})
+                losses.append(COMM.allreduce(value) / hvd.size() if distributed else value)
+            names = [v.name for v in v1.global_variables()]
+            values = sess.run(v1.global_variables())
+            return np.array(losses), dict(zip(names, values)), opt
+
+
+def _same_on_every_rank(values):
+    for name, value in values.items():
+        gathered = COMM.allgather(value)
+        for other in gathered[1:]:
+            np.testing.assert_array_equal(gathered[0], other, err_msg=name)
+
+
+@pytest.mark.parametrize("kind", sorted(OPTIMIZERS))
+def test_v1_optimizer_matches_one_process(kind):
+    losses, values, opt = _train(OPTIMIZERS[kind], True)
+    ref_losses, ref_values, _ = _train(OPTIMIZERS[kind], False)
+    np.testing.assert_allclose(losses, ref_losses, rtol=2e-5, atol=1e-6)
+    assert set(ref_values) <= set(values)   # (and MaTEx's byte counter)
+    for name in ref_values:
+        np.testing.assert_allclose(values[name], ref_values[name], rtol=2e-5, atol=1e-6,
+                                   err_msg=name)
+    _same_on_every_rank(values)
+    assert values["global_step:0"] == 5
+    assert losses[-1] < losses[0]
+
+
+def test_slots_and_variables_are_the_wrapped_optimizers():
+    graph = tf.Graph()
+    with graph.as_default():
+        x, y, loss = _model(0.0)
+        inner = v1.train.AdamOptimizer(0.01)
+        opt = hvd.DistributedOptimizer(inner)
+        assert isinstance(opt, v1.train.Optimizer)
+        opt.minimize(loss)
+        assert opt.get_slot_names() == inner.get_slot_names() == ["m", "v"]
+        w1 = [v for v in v1.trainable_variables() if v.name == "w1:0"][0]
+        assert opt.get_slot(w1, "m") is inner.get_slot(w1, "m")
+        assert opt.variables() == inner.variables() and opt.variables()
+
+
+def test_var_list_and_global_step():
+    graph = tf.Graph()
+    with graph.as_default():
+        x, y, loss = _model(0.0)
+        step = v1.train.get_or_create_global_step()
+        w2 = [v for v in v1.trainable_variables() if v.name == "w2:0"][0]
+        opt = hvd.DistributedOptimizer(v1.train.GradientDescentOptimizer(0.1))
+        pairs = opt.compute_gradients(loss, var_list=[w2])
+        assert [v for _, v in pairs] == [w2]
+        train = opt.minimize(loss, global_step=step, var_list=[w2])
+        with v1.Session(graph=graph) as sess:
+            sess.run(v1.global_variables_initializer())
+            before = sess.run(v1.trainable_variables())
+            xs, ys = _data()
+            sess.run(train, {x: _shard(xs), y: _shard(ys)})
+            sess.run(train, {x: _shard(xs), y: _shard(ys)})
+            after = sess.run(v1.trainable_variables())
+            assert sess.run(step) == 2
+    for v, b, a in zip(v1.trainable_variables(graph), before, after):
+        if v.name == "w2:0":
+            assert not np.allclose(a, b)
+        else:
+            np.testing.assert_array_equal(a, b)
+    _same_on_every_rank({"w2": after[2]})
+
+
+def test_sum_op_and_fp16_compression_reduce_the_gradients():
+    """op=hvd.Sum sums the ranks' gradients; fp16 compression averages within fp16 rounding."""
+    size = hvd.size()
+    for kwargs, expected in (({"op": hvd.Sum}, size * (size + 1) / 2),
+                             ({"compression": hvd.Compression.fp16}, (size + 1) / 2)):
+        graph = tf.Graph()
+        with graph.as_default():
+            w = v1.Variable(np.ones(3, np.float32))
+            loss = tf.reduce_sum(w) * float(hvd.rank() + 1)
+            opt = hvd.DistributedOptimizer(v1.train.GradientDescentOptimizer(1.0), **kwargs)
+            (grad, _), = opt.compute_gradients(loss)
+            with v1.Session(graph=graph) as sess:
+                sess.run(v1.global_variables_initializer())
+                np.testing.assert_allclose(sess.run(grad), [expected] * 3, rtol=1e-3)
+
+
+def test_backward_passes_per_step_is_refused_clearly():
+    with tf.Graph().as_default():
+        with pytest.raises(NotImplementedError, match="backward_passes_per_step"):
+            hvd.DistributedOptimizer(v1.train.GradientDescentOptimizer(0.1),
+                                     backward_passes_per_step=2)
+
+
+def test_collectives_inside_a_graph():
+    rank, size = hvd.rank(), hvd.size()
+    graph = tf.Graph()
+    with graph.as_default():
+        t = v1.placeholder(tf.float32, [None])
+        summed = hvd.allreduce(t, op=hvd.Sum)
+        averaged = hvd.allreduce(t)
+        gathered = hvd.allgather(t)
+        broadcast = hvd.broadcast(t, root_rank=size - 1)
+        with v1.Session(graph=graph) as sess:
+            out = sess.run([summed, averaged, gathered, broadcast],
+                           {t: np.full(2, rank + 1.0, np.float32)})
+    total = size * (size + 1) / 2
+    np.testing.assert_allclose(out[0], [total] * 2)
+    np.testing.assert_allclose(out[1], [total / size] * 2)
+    np.testing.assert_allclose(out[2], np.repeat(np.arange(1.0, size + 1), 2))
+    np.testing.assert_allclose(out[3], [float(size)] * 2)
+
+
+def test_mixed_precision_graph_rewrite_composes():
+    """enable_mixed_precision_graph_rewrite wraps our optimizer in a loss-scale optimizer
+    (TensorFlow 2.21 still offers it; on CPU the rewrite itself changes no op)."""
+    wrap = v1.mixed_precision.enable_mixed_precision_graph_rewrite
+    try:
+        def make_wrapped(opt):
+            return wrap(hvd.DistributedOptimizer(opt), loss_scale=128.0)
+
+        losses, values, opt = _train(OPTIMIZERS["gd"], True, wrap=make_wrapped)
+    finally:
+        v1.mixed_precision.disable_mixed_precision_graph_rewrite()
+    assert isinstance(opt, v1.mixed_precision.MixedPrecisionLossScaleOptimizer)
+    ref_losses, ref_values, _ = _train(OPTIMIZERS["gd"], False)
+    np.testing.assert_allclose(losses, ref_losses, rtol=2e-5, atol=1e-6)
+    for name in ref_values:
+        np.testing.assert_allclose(values[name], ref_values[name], rtol=2e-5, atol=1e-6)
+    _same_on_every_rank(values)
