@@ -124,26 +124,25 @@ def _resolve(module, path):
     return value
 
 
-def check():
-    """Names in ``REQUIRED`` that this Keras lacks (empty when all is well)."""
+def _missing(required):
+    """The ``module.path`` names of ``required`` that do not resolve."""
     missing = []
-    for module, path in REQUIRED:
+    for module, path in required:
         try:
             _resolve(module, path)
         except (ImportError, AttributeError):
             missing.append("%s.%s" % (module, path))
     return missing
+
+
+def check():
+    """Names in ``REQUIRED`` that this Keras lacks (empty when all is well)."""
+    return _missing(REQUIRED)
 
 
 def check_tf_keras():
     """Names in ``REQUIRED_TF_KERAS`` that this tf-keras lacks (empty when all is well)."""
-    missing = []
-    for module, path in REQUIRED_TF_KERAS:
-        try:
-            _resolve(module, path)
-        except (ImportError, AttributeError):
-            missing.append("%s.%s" % (module, path))
-    return missing
+    return _missing(REQUIRED_TF_KERAS)
 
 
 def tf_keras_build_optimizer(optimizer, var_list):
