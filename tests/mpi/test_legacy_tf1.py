@@ -200,3 +200,62 @@ def test_mixed_precision_graph_rewrite_composes():
     for name in ref_values:
         np.testing.assert_allclose(values[name], ref_values[name], rtol=2e-5, atol=1e-6)
     _same_on_every_rank(values)
+
+
+def test_process_set_averages_over_its_members_only():
+    """process_set={0,1} on 3 ranks: ranks 0 and 1 get the mean of their gradients, rank 2
+    keeps its own (Horovod's process_set=)."""
+    rank, size = hvd.rank(), hvd.size()
+    if size < 3:
+        pytest.skip("a proper subset of the ranks needs 3 ranks")
+    pset = hvd.add_process_set([0, 1])
+    try:
+        graph = tf.Graph()
+        with graph.as_default():
+            w = v1.Variable(np.ones(3, np.float32))
+            factor = np.array([1.0, 2.0, -1.0], np.float32) * (rank + 1)
+            loss = tf.reduce_sum(w * factor)
+            opt = hvd.DistributedOptimizer(v1.train.GradientDescentOptimizer(0.5),
+                                           process_set=pset)
+            (grad, _), = opt.compute_gradients(loss)
+            train = opt.apply_gradients([(grad, w)])
+            with v1.Session(graph=graph) as sess:
+                sess.run(v1.global_variables_initializer())
+                got = sess.run(grad)
+                sess.run(train)
+                weights = sess.run(w)
+        base = np.array([1.0, 2.0, -1.0], np.float32)
+        expected = base * (1 + 2) / 2 if rank in (0, 1) else base * (rank + 1)
+        np.testing.assert_allclose(got, expected, rtol=1e-6)
+        np.testing.assert_allclose(weights, 1.0 - 0.5 * expected, rtol=1e-6)
+    finally:
+        hvd.remove_process_set(pset)
+
+
+def test_sparse_as_dense_makes_the_embedding_gradient_dense_and_averages_it():
+    """An embedding lookup's IndexedSlices gradient becomes a dense tensor, averaged."""
+    rank, size = hvd.rank(), hvd.size()
+    graph = tf.Graph()
+    with graph.as_default():
+        table = v1.Variable(np.zeros((5, 2), np.float32))
+        ids = tf.constant([rank % 5, (rank + 2) % 5, 4], tf.int32)
+        loss = tf.reduce_sum(tf.nn.embedding_lookup(table, ids)) * float(rank + 1)
+        plain = v1.train.GradientDescentOptimizer(1.0).compute_gradients(loss, [table])[0][0]
+        assert isinstance(plain, tf.IndexedSlices)
+        opt = hvd.DistributedOptimizer(v1.train.GradientDescentOptimizer(1.0),
+                                       sparse_as_dense=True)
+        (grad, _), = opt.compute_gradients(loss, [table])
+        assert isinstance(grad, tf.Tensor) and not isinstance(grad, tf.IndexedSlices)
+        train = opt.apply_gradients([(grad, table)])
+        with v1.Session(graph=graph) as sess:
+            sess.run(v1.global_variables_initializer())
+            got = sess.run(grad)
+            sess.run(train)
+            weights = sess.run(table)
+    expected = np.zeros((5, 2), np.float32)
+    for r in range(size):
+        for i in (r % 5, (r + 2) % 5, 4):
+            expected[i] += (r + 1) / size
+    np.testing.assert_allclose(got, expected, rtol=1e-6)
+    np.testing.assert_allclose(weights, -expected, rtol=1e-6)
+    _same_on_every_rank({"table": weights})
