@@ -157,11 +157,59 @@ def test_sum_op_and_fp16_compression_reduce_the_gradients():
                 np.testing.assert_allclose(sess.run(grad), [expected] * 3, rtol=1e-3)
 
 
-def test_backward_passes_per_step_is_refused_clearly():
-    with tf.Graph().as_default():
-        with pytest.raises(NotImplementedError, match="backward_passes_per_step"):
-            hvd.DistributedOptimizer(v1.train.GradientDescentOptimizer(0.1),
-                                     backward_passes_per_step=2)
+@pytest.mark.parametrize("passes,average", [(2, True), (3, True), (2, False)])
+def test_backward_passes_per_step_accumulates_and_reduces_every_nth_call(passes, average):
+    """backward_passes_per_step=N: the gradients accumulate on every call, one grouped
+    reduction and one apply every N-th call, global_step counts every call (Horovod's
+    semantics); after 2N calls the weights are NumPy's, equal on every rank."""
+    from matex import _native
+
+    rank, size = hvd.rank(), hvd.size()
+    rng = np.random.RandomState(11)
+    feeds = rng.rand(2 * passes, size, 3).astype(np.float32)   # call, rank, gradient
+    w0 = np.array([1.0, -1.0, 0.5], np.float32)
+    graph = tf.Graph()
+    with graph.as_default():
+        x = v1.placeholder(tf.float32, [3])
+        w = v1.Variable(w0)
+        b = v1.Variable(np.float32(2.0))
+        loss = tf.reduce_sum(w * x) + b * float(rank + 1)
+        step = v1.train.get_or_create_global_step()
+        opt = hvd.DistributedOptimizer(v1.train.GradientDescentOptimizer(0.5),
+                                       backward_passes_per_step=passes,
+                                       average_aggregated_gradients=average)
+        train = opt.minimize(loss, global_step=step)
+        core = _native.core()
+        collectives, first_w = [], None
+        with v1.Session(graph=graph) as sess:
+            sess.run([v1.global_variables_initializer(), v1.local_variables_initializer()])
+            for call in range(2 * passes):
+                before = core.flight_sequence()
+                sess.run(train, {x: feeds[call, rank]})
+                collectives.append([e["site"] for e in core.flight_entries()
+                                    if e["seq"] > before])
+                got_w, got_b, got_step = sess.run([w, b, step])
+                assert got_step == call + 1
+                if (call + 1) % passes:   # no apply on the other calls
+                    expected_w = w0 if call < passes else first_w
+                    np.testing.assert_array_equal(got_w, expected_w)
+                elif call + 1 == passes:
+                    first_w = got_w
+    divisor = passes if average else 1
+    expected_w, expected_b = w0.astype(np.float64), 2.0
+    for window in range(2):
+        calls = feeds[window * passes:(window + 1) * passes]
+        expected_w = expected_w - 0.5 * calls.sum(axis=0).mean(axis=0) / divisor
+        expected_b -= 0.5 * passes * np.mean(np.arange(1, size + 1)) / divisor
+    np.testing.assert_allclose(got_w, expected_w, rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(got_b, expected_b, rtol=1e-5, atol=1e-6)
+    _same_on_every_rank({"w": got_w, "b": got_b})
+    # one reduction (the fused gradients' kernels, all in the v2 cond) on each N-th call,
+    # the same each time; no collective on the other calls
+    reduction = collectives[passes - 1]
+    assert reduction and all(site.startswith("cond/") for site in reduction), collectives
+    assert collectives == [reduction if (c + 1) % passes == 0 else []
+                           for c in range(2 * passes)], collectives
 
 
 def test_collectives_inside_a_graph():
