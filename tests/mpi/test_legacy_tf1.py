@@ -65,7 +65,7 @@ def _train(make, distributed, steps=5, wrap=None):
         # made after the gradients' allreduce, run alone with the placeholders unfed
         bcast = hvd.broadcast_global_variables(0) if distributed else None
         with v1.Session(graph=graph) as sess:
-            sess.run(v1.global_variables_initializer())
+            sess.run([v1.global_variables_initializer(), v1.local_variables_initializer()])
             if distributed:
                 sess.run(bcast)
             xs, ys = _data()
@@ -210,6 +210,27 @@ def test_backward_passes_per_step_accumulates_and_reduces_every_nth_call(passes,
     assert reduction and all(site.startswith("cond/") for site in reduction), collectives
     assert collectives == [reduction if (c + 1) % passes == 0 else []
                            for c in range(2 * passes)], collectives
+
+
+@pytest.mark.parametrize("kind", ["momentum", "adam"])
+def test_backward_passes_per_step_with_slot_optimizers_matches_one_process(kind):
+    """The same batch on both calls of a window (no apply in between): the averaged
+    accumulated gradient is one step's, so 2k calls with N=2 equal k plain steps in one
+    process; the wrapped optimizer's slots are made (and applied) through the cond."""
+    def wrap(opt):
+        return hvd.DistributedOptimizer(opt, backward_passes_per_step=2,
+                                        average_aggregated_gradients=True)
+
+    losses, values, _ = _train(OPTIMIZERS[kind], True, steps=6, wrap=wrap)
+    ref_losses, ref_values, _ = _train(OPTIMIZERS[kind], False, steps=3)
+    np.testing.assert_allclose(losses[::2], ref_losses, rtol=2e-5, atol=1e-6)
+    np.testing.assert_allclose(losses[1::2], losses[::2], rtol=1e-6)
+    for name in ref_values:
+        if name != "global_step:0":
+            np.testing.assert_allclose(values[name], ref_values[name], rtol=2e-5, atol=1e-6,
+                                       err_msg=name)
+    assert values["global_step:0"] == 6 and ref_values["global_step:0"] == 3
+    _same_on_every_rank(values)
 
 
 def test_collectives_inside_a_graph():
