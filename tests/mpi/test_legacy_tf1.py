@@ -212,6 +212,27 @@ def test_backward_passes_per_step_accumulates_and_reduces_every_nth_call(passes,
                            for c in range(2 * passes)], collectives
 
 
+def test_backward_passes_per_step_with_another_collective_in_the_run_is_a_clear_error():
+    """The reduction's v2 cond and another MaTEx collective in one Session.run cannot be
+    ordered across ranks: the scheduler refuses the run on every rank, before it starts."""
+    graph = tf.Graph()
+    with graph.as_default():
+        w = v1.Variable(np.ones(2, np.float32))
+        loss = tf.reduce_sum(w) * float(hvd.rank() + 1)
+        opt = hvd.DistributedOptimizer(v1.train.GradientDescentOptimizer(0.1),
+                                       backward_passes_per_step=2)
+        train = opt.minimize(loss)
+        other = hvd.allreduce(tf.constant([1.0]))
+        with v1.Session(graph=graph) as sess:
+            sess.run([v1.global_variables_initializer(), v1.local_variables_initializer()])
+            with pytest.raises(tf.errors.UnimplementedError, match="control flow v2"):
+                sess.run([train, other])
+            sess.run(train)   # alone it runs, then the other collective alone
+            sess.run(train)
+            np.testing.assert_allclose(sess.run(other), [1.0])
+            np.testing.assert_allclose(sess.run(w), 1.0 - 0.1 * (hvd.size() + 1), rtol=1e-6)
+
+
 @pytest.mark.parametrize("kind", ["momentum", "adam"])
 def test_backward_passes_per_step_with_slot_optimizers_matches_one_process(kind):
     """The same batch on both calls of a window (no apply in between): the averaged
