@@ -86,6 +86,8 @@ REQUIRED = (
     ("tensorflow.python.framework.ops", "Graph._attr_scope"),
     # a TF1 graph's v1 cond/while_loop being built (MaTEx collectives refuse to go there)
     ("tensorflow.python.framework.ops", "Graph._get_control_flow_context"),
+    # control flow v2's cond in a TF1 graph (a v1 optimizer's reduction every N-th call)
+    ("tensorflow.python.ops.cond_v2", "cond_v2"),
     # a bookkeeping variable made while a tf.function is traced again (bookkeeping_variable)
     ("tensorflow.python.ops.resource_variable_ops", "ResourceVariable"),
 )
@@ -642,6 +644,13 @@ def graph_attr_scope(graph, attrs):
     op's ``NodeDef`` returning one or None (no attribute on that op).
     """
     return graph._attr_scope(attrs)
+
+
+def cond_v2(pred, true_fn, false_fn):
+    """Control flow v2's ``cond`` (an ``If`` op over two functions), also in a TF1 graph."""
+    from tensorflow.python.ops import cond_v2 as module
+
+    return module.cond_v2(pred, true_fn, false_fn)
 
 
 def tf1_control_flow_context(graph):

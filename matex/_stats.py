@@ -36,7 +36,9 @@ def record(names, sent, dense):
     """Add one step of ``sent`` and ``dense`` bytes (ints or int64 scalars) per name."""
     if not names:
         return
-    if not tf.executing_eagerly() and not tf.inside_function():
+    with tf.init_scope():   # the outermost context: eager, or a TF1 graph (also from inside
+        eager = tf.executing_eagerly()   # a v2 cond/function built in that graph)
+    if not eager:
         # a TF1 graph: stats() reads values eagerly, and a ledger variable would land in the
         # script's graph (its global variables, its checkpoints) and in no other graph
         return

@@ -604,7 +604,10 @@ def DistributedOptimizer(optimizer: Any, name: str | None = None, use_locking: b
     ``scale_local_gradients``). ``process_set``: the gradients are reduced
     over its members only (the others keep theirs). A TF1
     ``tf.compat.v1.train.Optimizer`` gives Horovod's TF1 optimizer
-    (``matex.legacy._optimizer_v1``): ``compute_gradients`` reduces.
+    (``matex.legacy._optimizer_v1``): ``compute_gradients`` reduces (with
+    ``backward_passes_per_step=N`` it accumulates in local variables and reduces
+    every N-th call, in a control flow v2 cond: fetch no other MaTEx collective in
+    that ``Session.run``).
     """
     return _distributed_optimizer(optimizer, compression, sparse_as_dense,
                                   backward_passes_per_step, op, gradient_predivide_factor,

@@ -109,6 +109,109 @@ class DistributedOptimizerV1(tf.compat.v1.train.Optimizer):
         return getattr(self._optimizer, name)
 
 
+class AccumulatingOptimizerV1(DistributedOptimizerV1):
+    """Horovod's TF1 ``backward_passes_per_step=N``: gradients accumulate locally in
+    variables on every call; every N-th call reduces them (divided by N with
+    ``average_aggregated_gradients``) and applies them with the wrapped optimizer;
+    the other calls only advance ``global_step`` (Horovod's
+    ``LocalGradientAggregationHelper`` semantics).
+
+    The accumulators and the call counter are local variables
+    (``tf.compat.v1.GraphKeys.LOCAL_VARIABLES``, as in Horovod: run
+    ``local_variables_initializer``, ``MonitoredTrainingSession`` does). The one
+    grouped reduction sits in a control flow v2 cond (an ``If`` op), not a v1
+    ``tf.cond``: the graph scheduler accepts it as the only collective of its run.
+    Gradients are made dense (``IndexedSlices`` accumulate as dense tensors).
+    """
+
+    def __init__(self, optimizer: tf.compat.v1.train.Optimizer, reduce: Reduce,
+                 passes: int, average: bool, name: str | None = None) -> None:
+        super().__init__(optimizer, reduce, name=name)
+        self._passes = int(passes)
+        self._average = bool(average)
+        self._counter = None
+
+    def _local(self, name: str, initial: Any) -> Any:
+        return tf.compat.v1.Variable(
+            initial, name=name, trainable=False,
+            collections=[tf.compat.v1.GraphKeys.LOCAL_VARIABLES])
+
+    def compute_gradients(self, *args: Any, **kwargs: Any) -> list:
+        """Accumulate this call's gradients; every N-th call they come back reduced."""
+        from matex import _compat
+
+        token = reducing.set(True)
+        try:
+            pairs = list(self._optimizer.compute_gradients(*args, **kwargs))
+        finally:
+            reducing.reset(token)
+        at = [i for i, (g, _) in enumerate(pairs) if g is not None]
+        if not at:
+            return pairs
+        grads = [tf.convert_to_tensor(pairs[i][0]) for i in at]
+        variables = [pairs[i][1] for i in at]
+        with tf.init_scope():
+            if self._counter is None:
+                self._counter = self._local("matex_aggregation_counter",
+                                            tf.constant(0, tf.int32))
+            accumulators = [self._local("matex_aggregated_%d" % n,
+                                        tf.zeros(g.shape.as_list(), g.dtype))
+                            for n, g in enumerate(grads)]
+        first = tf.equal(self._counter, 0)
+        added = [acc.assign(tf.where(first, g, acc.read_value() + g))
+                 for acc, g in zip(accumulators, grads)]
+        with tf.control_dependencies(added):
+            count = self._counter.assign_add(1)
+        passes, average = self._passes, self._average
+
+        def reduced():
+            out = self._reduce([tf.identity(a) for a in added], variables)
+            return [o / passes if average else o for o in out]
+
+        def kept():
+            return [tf.identity(g) for g in grads]
+
+        out = _compat.cond_v2(tf.equal(count, passes), reduced, kept)
+        out = list(out) if isinstance(out, (list, tuple)) else [out]
+        with tf.control_dependencies(out):
+            self._reset = self._counter.assign(tf.math.floormod(count, passes))
+        with tf.control_dependencies([self._reset]):
+            out = [tf.identity(o) for o in out]
+        mark_reduced(out)
+        for i, g in zip(at, out):
+            pairs[i] = (g, pairs[i][1])
+        return pairs
+
+    def apply_gradients(self, grads_and_vars: Any, global_step: Any = None,
+                        name: str | None = None) -> Any:
+        """The wrapped optimizer's apply on every N-th call; else ``global_step += 1``."""
+        if self._counter is None:
+            raise ValueError("apply_gradients before compute_gradients: with "
+                             "backward_passes_per_step > 1 the gradients must come from "
+                             "this optimizer's compute_gradients")
+        grads_and_vars = list(grads_and_vars)
+        inputs = [g for g, _ in grads_and_vars if g is not None]
+        with tf.control_dependencies([self._reset] + [
+                g.values if isinstance(g, tf.IndexedSlices) else g for g in inputs]):
+            now = tf.equal(self._counter.read_value(), 0)
+
+        def apply():
+            token = reducing.set(True)
+            try:
+                op = self._optimizer.apply_gradients(grads_and_vars, global_step=global_step,
+                                                     name=name)
+            finally:
+                reducing.reset(token)
+            return tf.group(op)
+
+        def skip():
+            if global_step is None:
+                return tf.no_op()
+            return tf.group(global_step.assign_add(tf.ones([], global_step.dtype)))
+
+        return tf.cond(now, apply, skip)
+
+
 def horovod_optimizer(optimizer: tf.compat.v1.train.Optimizer, reduction: Any,
                       what: str = "DistributedOptimizer") -> DistributedOptimizerV1:
     """Horovod's TF1 ``DistributedOptimizer``: ``reduction`` (a
@@ -117,11 +220,10 @@ def horovod_optimizer(optimizer: tf.compat.v1.train.Optimizer, reduction: Any,
     The optimizer gains Horovod's ``register_local_var(var)``.
     """
     if reduction.passes != 1:
-        raise NotImplementedError(
-            "%s: backward_passes_per_step > 1 is not supported with a TF1 "
-            "tf.compat.v1.train optimizer on matex (accumulate in the script, or use a Keras "
-            "optimizer)" % what)
-    wrapped = DistributedOptimizerV1(optimizer, reduction.reduce)
+        wrapped = AccumulatingOptimizerV1(optimizer, reduction.reduce, reduction.passes,
+                                          reduction.average_aggregated)
+    else:
+        wrapped = DistributedOptimizerV1(optimizer, reduction.reduce)
     wrapped.register_local_var = reduction.register_local_var
     return wrapped
 

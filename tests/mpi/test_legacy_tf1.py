@@ -65,7 +65,7 @@ def _train(make, distributed, steps=5, wrap=None):
         # made after the gradients' allreduce, run alone with the placeholders unfed
         bcast = hvd.broadcast_global_variables(0) if distributed else None
         with v1.Session(graph=graph) as sess:
-            sess.run(v1.global_variables_initializer())
+            sess.run([v1.global_variables_initializer(), v1.local_variables_initializer()])
             if distributed:
                 sess.run(bcast)
             xs, ys = _data()
@@ -157,11 +157,101 @@ def test_sum_op_and_fp16_compression_reduce_the_gradients():
                 np.testing.assert_allclose(sess.run(grad), [expected] * 3, rtol=1e-3)
 
 
-def test_backward_passes_per_step_is_refused_clearly():
-    with tf.Graph().as_default():
-        with pytest.raises(NotImplementedError, match="backward_passes_per_step"):
-            hvd.DistributedOptimizer(v1.train.GradientDescentOptimizer(0.1),
-                                     backward_passes_per_step=2)
+@pytest.mark.parametrize("passes,average", [(2, True), (3, True), (2, False)])
+def test_backward_passes_per_step_accumulates_and_reduces_every_nth_call(passes, average):
+    """backward_passes_per_step=N: the gradients accumulate on every call, one grouped
+    reduction and one apply every N-th call, global_step counts every call (Horovod's
+    semantics); after 2N calls the weights are NumPy's, equal on every rank."""
+    from matex import _native
+
+    rank, size = hvd.rank(), hvd.size()
+    rng = np.random.RandomState(11)
+    feeds = rng.rand(2 * passes, size, 3).astype(np.float32)   # call, rank, gradient
+    w0 = np.array([1.0, -1.0, 0.5], np.float32)
+    graph = tf.Graph()
+    with graph.as_default():
+        x = v1.placeholder(tf.float32, [3])
+        w = v1.Variable(w0)
+        b = v1.Variable(np.float32(2.0))
+        loss = tf.reduce_sum(w * x) + b * float(rank + 1)
+        step = v1.train.get_or_create_global_step()
+        opt = hvd.DistributedOptimizer(v1.train.GradientDescentOptimizer(0.5),
+                                       backward_passes_per_step=passes,
+                                       average_aggregated_gradients=average)
+        train = opt.minimize(loss, global_step=step)
+        core = _native.core()
+        collectives, first_w = [], None
+        with v1.Session(graph=graph) as sess:
+            sess.run([v1.global_variables_initializer(), v1.local_variables_initializer()])
+            for call in range(2 * passes):
+                before = core.flight_sequence()
+                sess.run(train, {x: feeds[call, rank]})
+                collectives.append([e["site"] for e in core.flight_entries()
+                                    if e["seq"] > before])
+                got_w, got_b, got_step = sess.run([w, b, step])
+                assert got_step == call + 1
+                if (call + 1) % passes:   # no apply on the other calls
+                    expected_w = w0 if call < passes else first_w
+                    np.testing.assert_array_equal(got_w, expected_w)
+                elif call + 1 == passes:
+                    first_w = got_w
+    divisor = passes if average else 1
+    expected_w, expected_b = w0.astype(np.float64), 2.0
+    for window in range(2):
+        calls = feeds[window * passes:(window + 1) * passes]
+        expected_w = expected_w - 0.5 * calls.sum(axis=0).mean(axis=0) / divisor
+        expected_b -= 0.5 * passes * np.mean(np.arange(1, size + 1)) / divisor
+    np.testing.assert_allclose(got_w, expected_w, rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(got_b, expected_b, rtol=1e-5, atol=1e-6)
+    _same_on_every_rank({"w": got_w, "b": got_b})
+    # one reduction (the fused gradients' kernels, all in the v2 cond) on each N-th call,
+    # the same each time; no collective on the other calls
+    reduction = collectives[passes - 1]
+    assert reduction and all(site.startswith("cond/") for site in reduction), collectives
+    assert collectives == [reduction if (c + 1) % passes == 0 else []
+                           for c in range(2 * passes)], collectives
+
+
+def test_backward_passes_per_step_with_another_collective_in_the_run_is_a_clear_error():
+    """The reduction's v2 cond and another MaTEx collective in one Session.run cannot be
+    ordered across ranks: the scheduler refuses the run on every rank, before it starts."""
+    graph = tf.Graph()
+    with graph.as_default():
+        w = v1.Variable(np.ones(2, np.float32))
+        loss = tf.reduce_sum(w) * float(hvd.rank() + 1)
+        opt = hvd.DistributedOptimizer(v1.train.GradientDescentOptimizer(0.1),
+                                       backward_passes_per_step=2)
+        train = opt.minimize(loss)
+        other = hvd.allreduce(tf.constant([1.0]))
+        with v1.Session(graph=graph) as sess:
+            sess.run([v1.global_variables_initializer(), v1.local_variables_initializer()])
+            with pytest.raises(tf.errors.UnimplementedError, match="control flow v2"):
+                sess.run([train, other])
+            sess.run(train)   # alone it runs, then the other collective alone
+            sess.run(train)
+            np.testing.assert_allclose(sess.run(other), [1.0])
+            np.testing.assert_allclose(sess.run(w), 1.0 - 0.1 * (hvd.size() + 1), rtol=1e-6)
+
+
+@pytest.mark.parametrize("kind", ["momentum", "adam"])
+def test_backward_passes_per_step_with_slot_optimizers_matches_one_process(kind):
+    """The same batch on both calls of a window (no apply in between): the averaged
+    accumulated gradient is one step's, so 2k calls with N=2 equal k plain steps in one
+    process; the wrapped optimizer's slots are made (and applied) through the cond."""
+    def wrap(opt):
+        return hvd.DistributedOptimizer(opt, backward_passes_per_step=2,
+                                        average_aggregated_gradients=True)
+
+    losses, values, _ = _train(OPTIMIZERS[kind], True, steps=6, wrap=wrap)
+    ref_losses, ref_values, _ = _train(OPTIMIZERS[kind], False, steps=3)
+    np.testing.assert_allclose(losses[::2], ref_losses, rtol=2e-5, atol=1e-6)
+    np.testing.assert_allclose(losses[1::2], losses[::2], rtol=1e-6)
+    for name in ref_values:
+        if name != "global_step:0":
+            np.testing.assert_allclose(values[name], ref_values[name], rtol=2e-5, atol=1e-6,
+                                       err_msg=name)
+    assert values["global_step:0"] == 6 and ref_values["global_step:0"] == 3
+    _same_on_every_rank(values)
 
 
 def test_collectives_inside_a_graph():
@@ -200,3 +290,62 @@ def test_mixed_precision_graph_rewrite_composes():
     for name in ref_values:
         np.testing.assert_allclose(values[name], ref_values[name], rtol=2e-5, atol=1e-6)
     _same_on_every_rank(values)
+
+
+def test_process_set_averages_over_its_members_only():
+    """process_set={0,1} on 3 ranks: ranks 0 and 1 get the mean of their gradients, rank 2
+    keeps its own (Horovod's process_set=)."""
+    rank, size = hvd.rank(), hvd.size()
+    if size < 3:
+        pytest.skip("a proper subset of the ranks needs 3 ranks")
+    pset = hvd.add_process_set([0, 1])
+    try:
+        graph = tf.Graph()
+        with graph.as_default():
+            w = v1.Variable(np.ones(3, np.float32))
+            factor = np.array([1.0, 2.0, -1.0], np.float32) * (rank + 1)
+            loss = tf.reduce_sum(w * factor)
+            opt = hvd.DistributedOptimizer(v1.train.GradientDescentOptimizer(0.5),
+                                           process_set=pset)
+            (grad, _), = opt.compute_gradients(loss)
+            train = opt.apply_gradients([(grad, w)])
+            with v1.Session(graph=graph) as sess:
+                sess.run(v1.global_variables_initializer())
+                got = sess.run(grad)
+                sess.run(train)
+                weights = sess.run(w)
+        base = np.array([1.0, 2.0, -1.0], np.float32)
+        expected = base * (1 + 2) / 2 if rank in (0, 1) else base * (rank + 1)
+        np.testing.assert_allclose(got, expected, rtol=1e-6)
+        np.testing.assert_allclose(weights, 1.0 - 0.5 * expected, rtol=1e-6)
+    finally:
+        hvd.remove_process_set(pset)
+
+
+def test_sparse_as_dense_makes_the_embedding_gradient_dense_and_averages_it():
+    """An embedding lookup's IndexedSlices gradient becomes a dense tensor, averaged."""
+    rank, size = hvd.rank(), hvd.size()
+    graph = tf.Graph()
+    with graph.as_default():
+        table = v1.Variable(np.zeros((5, 2), np.float32))
+        ids = tf.constant([rank % 5, (rank + 2) % 5, 4], tf.int32)
+        loss = tf.reduce_sum(tf.nn.embedding_lookup(table, ids)) * float(rank + 1)
+        plain = v1.train.GradientDescentOptimizer(1.0).compute_gradients(loss, [table])[0][0]
+        assert isinstance(plain, tf.IndexedSlices)
+        opt = hvd.DistributedOptimizer(v1.train.GradientDescentOptimizer(1.0),
+                                       sparse_as_dense=True)
+        (grad, _), = opt.compute_gradients(loss, [table])
+        assert isinstance(grad, tf.Tensor) and not isinstance(grad, tf.IndexedSlices)
+        train = opt.apply_gradients([(grad, table)])
+        with v1.Session(graph=graph) as sess:
+            sess.run(v1.global_variables_initializer())
+            got = sess.run(grad)
+            sess.run(train)
+            weights = sess.run(table)
+    expected = np.zeros((5, 2), np.float32)
+    for r in range(size):
+        for i in (r % 5, (r + 2) % 5, 4):
+            expected[i] += (r + 1) / size
+    np.testing.assert_allclose(got, expected, rtol=1e-6)
+    np.testing.assert_allclose(weights, -expected, rtol=1e-6)
+    _same_on_every_rank({"table": weights})
