@@ -626,15 +626,25 @@ def test_a_running_trial_believed_better_than_the_best_is_the_incumbent(tmp_path
     (mean) best -3.169 (-3.092) from the best result, -3.194 (-3.157) from the
     fantasies too.
     """
-    oracle = make_oracle(LazyBayesianOracle, tmp_path, max_trials=40, seed=6)
-    run(oracle, 12)
-    space = oracle.hyperparameters.space
-    running = oracle.create_trial("group-0")
-    best_result = min(t.score for t in oracle.trials.values() if t.status == "COMPLETED")
-    oracle._sync_gp()
-    believed = float(oracle.gp.predict(
-        _unit_cube.to_vector(space, running.hyperparameters)[None, :], return_std=False)[0])
-    assert believed < best_result - 0.01, (believed, best_result)
+    # The set-up needs a running trial that the GP believes better than the best result.
+    # Which seed gives one depends on the BLAS kernel's rounding (seed 6 does with
+    # OpenBLAS's Sandybridge kernel, not with its Haswell/Zen ones): take the first seed
+    # that does; the property below is then checked as it stands.
+    tried = []
+    for seed in range(6, 26):
+        oracle = make_oracle(LazyBayesianOracle, tmp_path / str(seed), max_trials=40,
+                             seed=seed)
+        run(oracle, 12)
+        space = oracle.hyperparameters.space
+        running = oracle.create_trial("group-0")
+        best_result = min(t.score for t in oracle.trials.values() if t.status == "COMPLETED")
+        oracle._sync_gp()
+        believed = float(oracle.gp.predict(
+            _unit_cube.to_vector(space, running.hyperparameters)[None, :], return_std=False)[0])
+        tried.append((seed, believed, best_result))
+        if believed < best_result - 0.01:
+            break
+    assert believed < best_result - 0.01, tried
     incumbents = []
     maximise = oracle._maximise_acquisition
 
