@@ -29,6 +29,7 @@ import fcntl
 import hashlib
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -75,15 +76,42 @@ def _compiler():
     )
 
 
-def mapped_libmpis():
-    """Real paths of every libmpi.so mapped into this process, sorted."""
+# The C library of an MPI implementation, by file name: Open MPI and MPICH's libmpi (and
+# MPICH's libmpich), Cray MPICH's libmpi_cray and per-compiler libmpi_gnu_123 / _intel_... /
+# _nvidia_..., IBM Spectrum MPI's libmpi_ibm. Not the language bindings beside them
+# (libmpi_cxx, libmpi_mpifh, libmpi_usempif08, libmpi_java, libmpichcxx, libmpifort).
+_MPI_LIBRARY = re.compile(
+    r"^lib(?:mpi|mpich|mpi_cray|mpi_ibm|mpi_(?:gnu|intel|nvidia|pgi|aocc|amd|cray|crayclang)"
+    r"(?:_\w+)?)\.so(?:\.[\d.]+)?$")
+
+
+def is_mpi_library(path: str) -> bool:
+    """Whether ``path`` names an MPI implementation's C library (see ``_MPI_LIBRARY``)."""
+    return bool(_MPI_LIBRARY.match(os.path.basename(path)))
+
+
+def mapped_libmpis(maps_lines=None) -> list:
+    """Real paths of every MPI C library mapped into this process (``/proc/self/maps``,
+    or the given lines), sorted."""
+    if maps_lines is None:
+        with open("/proc/self/maps") as maps:
+            maps_lines = maps.readlines()
     libs = set()
-    with open("/proc/self/maps") as maps:
-        for line in maps:
-            name = line.rsplit(None, 1)[-1]
-            if os.path.basename(name).startswith("libmpi.so"):
-                libs.add(os.path.realpath(name))
+    for line in maps_lines:
+        name = line.rsplit(None, 1)[-1]
+        if "/" in name and is_mpi_library(name):
+            libs.add(os.path.realpath(name))
     return sorted(libs)
+
+
+def _mapped_mpi_like(maps_lines=None) -> list:
+    """Mapped files whose name holds ``mpi`` (for the error when none is recognised)."""
+    if maps_lines is None:
+        with open("/proc/self/maps") as maps:
+            maps_lines = maps.readlines()
+    names = {line.rsplit(None, 1)[-1] for line in maps_lines}
+    return sorted(n for n in names if "/" in n and "mpi" in os.path.basename(n).lower()
+                  and ".so" in n and "mpi4py" not in n)
 
 
 def _loaded_libmpi():
@@ -92,7 +120,14 @@ def _loaded_libmpi():
 
     libs = mapped_libmpis()
     if not libs:
-        raise BuildError("mpi4py is imported but no libmpi.so is mapped in this process")
+        near = _mapped_mpi_like()
+        raise BuildError(
+            "mpi4py is imported but no MPI library this build knows is mapped in this process "
+            "(it looks for libmpi.so, libmpich.so, Cray's libmpi_cray.so / libmpi_gnu_*.so and "
+            "IBM's libmpi_ibm.so). Mapped files with 'mpi' in their name: %s. If one of them is "
+            "your MPI's C library, please report its name; mpi4py itself may be built against "
+            "another MPI than the one you load (pip install --no-binary mpi4py mpi4py)."
+            % (", ".join(near) or "none"))
     if len(libs) > 1:
         raise BuildError("several MPI libraries are loaded at once: %s" % ", ".join(libs))
     return libs[0]

@@ -174,3 +174,23 @@ def test_warm_build_loads_the_ops_without_forking_after_mpi_init(tmp_path):
     for report in reports:
         assert report["forks"] == [], report
         assert report["sum"] == [3.0, 3.0, 3.0]
+
+
+def test_cray_ibm_and_mpich_c_libraries_are_recognised_bindings_are_not(tmp_path):
+    """Cray MPICH (libmpi_cray, libmpi_gnu_123), IBM Spectrum (libmpi_ibm) and MPICH's
+    libmpich are MPI C libraries; Open MPI's Fortran/C++ bindings beside libmpi are not.
+    Before, only libmpi.so* was: on a Cray nothing built."""
+    names = {"libmpi_cray.so.12.0.0": True, "libmpi_gnu_123.so.12": True,
+             "libmpi_intel_2021.so.12": True, "libmpi_ibm.so.3": True, "libmpich.so.12": True,
+             "libmpi.so.40.30.0": True, "libmpi.so": True, "libmpi_mpifh.so.40": False,
+             "libmpi_usempif08.so.40": False, "libmpi_cxx.so.40": False,
+             "libmpichcxx.so.12": False, "libmpifort.so.12": False, "libmpi_java.so": False}
+    lines = []
+    for name, expected in names.items():
+        path = tmp_path / name
+        path.write_bytes(b"")
+        assert _build.is_mpi_library(str(path)) is expected, name
+        lines.append("7f00-7f01 r-xp 00000000 00:00 1    %s\n" % path)
+    lines.append("7f00-7f01 rw-p 00000000 00:00 0    [heap]\n")
+    assert _build.mapped_libmpis(lines) == sorted(
+        str(tmp_path / n) for n, ok in names.items() if ok)
