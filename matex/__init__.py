@@ -24,7 +24,9 @@ def _self_check() -> bool:
     import os
     import sys
 
-    return "--check" in sys.argv[1:] and os.path.basename(sys.argv[0]) in ("-m", "matexrun")
+    flags = ("--check", "--check-build")   # matexrun's --check-build is Horovod's spelling
+    return (any(flag in sys.argv[1:] for flag in flags)
+            and os.path.basename(sys.argv[0]) in ("-m", "matexrun"))
 
 
 # setup.py requires no TensorFlow flavour (any TensorFlow >= 2.21 will do): check here,

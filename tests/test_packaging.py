@@ -276,13 +276,16 @@ def test_import_matex_without_tensorflow_names_the_extra(tmp_path):
         "or your platform's TensorFlow build")
 
 
-def test_the_self_check_reports_a_missing_tensorflow_instead_of_dying_of_it(tmp_path):
-    """``python -m matex --check`` without TensorFlow: the import that refuses a plain
-    ``import matex`` lets the check run, which names what is missing and the fix."""
+@pytest.mark.parametrize("run", [
+    "sys.argv = ['-m', '--check']\nrunpy.run_module('matex', run_name='__main__', alter_sys=True)",
+    "sys.argv = ['/x/bin/matexrun', '--check-build']\nfrom matex.launcher import cli\n"
+    "sys.exit(cli.main())"], ids=["python -m matex --check", "matexrun --check-build"])
+def test_the_self_check_reports_a_missing_tensorflow_instead_of_dying_of_it(tmp_path, run):
+    """``python -m matex --check`` (or matexrun's Horovod spelling ``--check-build``)
+    without TensorFlow: the import that refuses a plain ``import matex`` lets the check
+    run, which names what is missing and the fix."""
     proc = subprocess.run([sys.executable, "-c", "import sys, runpy\n"
-                           "sys.modules['tensorflow'] = None\n"
-                           "sys.argv = ['-m', '--check']\n"
-                           "runpy.run_module('matex', run_name='__main__', alter_sys=True)"],
+                           "sys.modules['tensorflow'] = None\n" + run],
                           cwd=tmp_path, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 1, proc.stdout[-3000:] + proc.stderr[-3000:]
     lines = proc.stdout.splitlines()
