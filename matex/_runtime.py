@@ -47,6 +47,7 @@ _comm = None        # mpi4py communicator every collective uses
 _control = None     # duplicate of _comm for MaTEx's Python-level messages
 _local = None       # ranks of _comm sharing this node
 _owned = False      # whether MaTEx created _comm (then it frees it when replaced)
+_cross = None       # (cross rank, cross size, homogeneous) of _comm, computed with it
 control_class = None   # while matex.hpo searches: the class of new control communicators
 _peers = None       # world rank -> (hostname, pid) of the ranks alive at start-up (ULFM)
 
@@ -229,6 +230,17 @@ def end_lost_processes(world_ranks):
                 pass   # already gone
 
 
+def _cross_figures_of(comm, local) -> tuple[int, int, bool]:
+    """``(cross rank, cross size, homogeneous)`` of ``comm`` whose node-local part is
+    ``local`` (collective over ``comm``)."""
+    cross = comm.Split(local.Get_rank(), comm.Get_rank())
+    try:
+        sizes = comm.allgather(local.Get_size())
+        return cross.Get_rank(), cross.Get_size(), len(set(sizes)) == 1
+    finally:
+        cross.Free()
+
+
 def _set_comm(comm, owned=True):
     """Make ``comm`` the communicator of every later collective (collective call).
 
@@ -236,12 +248,15 @@ def _set_comm(comm, owned=True):
     MaTEx created it: one the script passed to ``init`` stays the script's).
     Freeing is local in MPI, so it is safe on a revoked communicator.
     """
-    global _comm, _control, _local, _owned
+    global _comm, _control, _local, _owned, _cross
     from mpi4py import MPI
 
     with _lock:
         comm.Set_errhandler(MPI.ERRORS_RETURN)
         local = comm.Split_type(MPI.COMM_TYPE_SHARED, key=comm.Get_rank())
+        # Horovod's cross figures, collectively now, so reading them later is local (a
+        # rank that alone asks for hvd.cross_size() must not start a collective)
+        _cross = _cross_figures_of(comm, local)
         control = comm.Dup()
         control.Set_errhandler(MPI.ERRORS_RETURN)
         if control_class is not None:
@@ -414,3 +429,11 @@ def local_size() -> int:
     """Number of ranks on this node."""
     init()
     return _local.Get_size()
+
+
+def cross_figures() -> tuple[int, int, bool]:
+    """``(cross rank, cross size, homogeneous)`` of the communicator in use: this rank's
+    index among the ranks of its local rank across nodes, their number, and whether every
+    node runs as many ranks. Computed when the communicator was set; a local read."""
+    init()
+    return _cross

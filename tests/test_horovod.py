@@ -153,16 +153,17 @@ def test_python_m_matex_module_errors(tmp_path):
     assert proc.returncode == 2 and "-m needs a module name" in proc.stderr
 
 
-def test_cross_figures_follow_the_communicator(monkeypatch):
-    """hvd.cross_rank/cross_size were cached once per process (lru_cache), so after a ULFM
-    shrink replaced matex.comm() they described the old job. They are recomputed on the
-    communicator in use."""
+def test_cross_figures_are_computed_with_the_communicator():
+    """hvd.cross_rank/cross_size/is_homogeneous describe the communicator in use: they are
+    computed when it is set (init, a ULFM shrink; ``_runtime._cross_figures_of``), so a
+    shrink's new communicator gets its own, and reading them is local (the 2- and 3-rank
+    check that one rank alone may ask: tests/mpi/test_horovod_training.py)."""
     import matex.horovod.tensorflow as hvd
     from matex import _runtime
 
     assert (hvd.cross_rank(), hvd.cross_size(), hvd.is_homogeneous()) == (0, 1, True)
 
-    class Cross:                       # the shrunk job's view: node 1 of 2
+    class Cross:                       # a shrunk job's view: node 1 of 2
         def Get_rank(self):
             return 1
 
@@ -170,21 +171,27 @@ def test_cross_figures_follow_the_communicator(monkeypatch):
             return 2
 
         def Free(self):
-            pass
+            self.freed = True
 
     class Shrunk:
+        def Get_rank(self):
+            return 0
+
+        def Split(self, color, key):
+            assert (color, key) == (0, 0)
+            self.cross = Cross()
+            return self.cross
+
+        def allgather(self, value):
+            return [value, value + 1]
+
+    class Local:
         def Get_rank(self):
             return 0
 
         def Get_size(self):
             return 2
 
-        def Split(self, color, key):
-            return Cross()
-
-        def allgather(self, value):
-            return [value, value + 1]
-
     shrunk = Shrunk()
-    monkeypatch.setattr(_runtime, "comm", lambda: shrunk)
-    assert (hvd.cross_rank(), hvd.cross_size(), hvd.is_homogeneous()) == (1, 2, False)
+    assert _runtime._cross_figures_of(shrunk, Local()) == (1, 2, False)
+    assert shrunk.cross.freed

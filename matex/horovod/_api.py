@@ -126,24 +126,10 @@ def is_initialized() -> bool:
 rank, size, local_rank, local_size = matex.rank, matex.size, matex.local_rank, matex.local_size
 
 
-_cross_of: list = [None, None]   # [communicator it was computed on, its result]
-
-
 def _cross() -> tuple[int, int, bool]:
-    """(cross rank, cross size, homogeneous): ranks of the same local rank across nodes.
-
-    Computed once per communicator: a ULFM shrink replaces ``matex.comm()``,
-    and the figures are recomputed (collectively) on the new one.
-    """
-    comm = _runtime.comm()
-    if _cross_of[0] is not comm:
-        cross = comm.Split(local_rank(), rank())
-        try:
-            sizes = set(comm.allgather(local_size()))
-            _cross_of[:] = [comm, (cross.Get_rank(), cross.Get_size(), len(sizes) == 1)]
-        finally:
-            cross.Free()
-    return _cross_of[1]
+    """(cross rank, cross size, homogeneous) of the communicator in use: computed when it
+    was set (at init, after a ULFM shrink), so asking on one rank alone never hangs."""
+    return _runtime.cross_figures()
 
 
 def cross_rank() -> int:

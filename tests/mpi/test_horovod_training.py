@@ -340,3 +340,23 @@ def test_join_meets_an_unannounced_collective_with_an_error_on_every_rank():
         else:
             hvd.allgather(tf.constant([float(R)]))
     assert float(hvd.allreduce(tf.constant(1.0), op=hvd.Sum)) == N
+
+
+def test_one_rank_alone_may_read_the_cross_figures():
+    """``if hvd.rank() == 0: print(hvd.cross_size())``: the figures of a communicator are
+    computed when it is set, so rank 0 alone reads them locally. Before, the first call on
+    a communicator was a collective: here, on a communicator set just now (as a shrink
+    sets one), rank 0's Split met the others' allgather and the job hung."""
+    from matex import _runtime
+
+    world, owned = matex.comm(), _runtime._owned
+    _runtime._owned = False     # world stays alive while a fresh communicator stands in
+    _runtime._set_comm(world.Dup(), owned=True)
+    try:
+        mine = (hvd.cross_rank(), hvd.cross_size(), hvd.is_homogeneous()) if R == 0 else None
+        everyone = matex.comm().allgather(mine)
+    finally:
+        _runtime._set_comm(world, owned=owned)
+    assert everyone == [(0, 1, True)] + [None] * (N - 1)
+    # one node here: every rank is node 0 of 1
+    assert (hvd.cross_rank(), hvd.cross_size(), hvd.is_homogeneous()) == (0, 1, True)
