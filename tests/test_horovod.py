@@ -195,3 +195,13 @@ def test_cross_figures_are_computed_with_the_communicator():
     shrunk = Shrunk()
     assert _runtime._cross_figures_of(shrunk, Local()) == (1, 2, False)
     assert shrunk.cross.freed
+
+
+def test_horovod_version_is_the_horovod_release_it_mirrors():
+    """Scripts compare ``horovod.__version__`` with Horovod's releases; it was MaTEx's own
+    (0.1.0, below every Horovod with the API)."""
+    import matex
+    import matex.horovod
+
+    assert matex.horovod.__version__ == "0.28.1"
+    assert matex.horovod.matex_version == matex.__version__

@@ -15,6 +15,11 @@ collective get ``tf.errors.FailedPreconditionError``. What differs from
 Horovod is listed in docs/horovod.md.
 """
 
-from matex._version import __version__ as __version__
+from matex._version import __version__ as matex_version
+
+# The Horovod release whose API this mirrors: scripts compare horovod.__version__ with
+# Horovod's releases (e.g. to choose an API), not with MaTEx's. MaTEx's own version is
+# matex_version.
+__version__ = "0.28.1"
 
 __all__: list[str] = []   # the API is in matex.horovod.tensorflow and .keras
