@@ -50,6 +50,8 @@ REQUIRED = (
     ("keras.src.models.model", "Model._flatten_layers"),
     ("keras.src.callbacks.backup_and_restore", "BackupAndRestore._save_model"),
     ("keras.src.backend.tensorflow.nn", "_compute_moments_sync"),
+    # the moments a BatchNormalization normalises with (hvd.SyncBatchNormalization's own)
+    ("keras.src.layers.normalization.batch_normalization", "BatchNormalization._moments"),
     ("keras.src.backend.common.global_state", "get_global_attribute"),
     ("keras.src.backend.common.variables", "Variable.__int__"),
     ("keras.src.backend.common.variables", "Variable.__float__"),
@@ -387,6 +389,14 @@ def disable_backup_writes(callback):
 
 MOMENTS_SYNC_NAME = "_compute_moments_sync"   # what moments(..., synchronized=True) calls
 MOMENTS_NAME = "_compute_moments"             # what moments(..., synchronized=False) calls
+
+
+BATCHNORM_MOMENTS = "_moments"   # BatchNormalization's (inputs, mask) -> (mean, variance)
+
+
+def batchnorm_reduction_axes(layer) -> list:
+    """The axes a built ``BatchNormalization`` reduces over (all but its ``axis``)."""
+    return list(layer._reduction_axes)
 
 
 def keras_tf_nn():

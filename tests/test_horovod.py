@@ -205,3 +205,24 @@ def test_horovod_version_is_the_horovod_release_it_mirrors():
 
     assert matex.horovod.__version__ == "0.28.1"
     assert matex.horovod.matex_version == matex.__version__
+
+
+def test_sync_batch_normalization_patches_nothing_else():
+    """Explicit: hvd.SyncBatchNormalization computes its own global moments; making one
+    leaves Keras's BatchNormalization and its backend's moments as they were (before,
+    it installed matex.keras's patches, which every other BatchNormalization met)."""
+    code = (
+        "import keras\n"
+        "import matex.horovod.tensorflow as hvd\n"
+        "from matex import _compat\n"
+        "call, nn = keras.layers.BatchNormalization.call, _compat.keras_tf_nn()\n"
+        "moments, sync = nn._compute_moments, nn._compute_moments_sync\n"
+        "layer = hvd.SyncBatchNormalization()\n"
+        "layer(keras.ops.ones((4, 3)), training=True)\n"
+        "assert keras.layers.BatchNormalization.call is call\n"
+        "assert (nn._compute_moments, nn._compute_moments_sync) == (moments, sync)\n"
+        "assert not hasattr(nn._compute_moments, '_matex_original')\n"
+        "print('untouched')\n")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          timeout=300, env=dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2"))
+    assert proc.returncode == 0 and proc.stdout.strip() == "untouched", proc.stderr[-3000:]

@@ -15,7 +15,9 @@ collective get ``tf.errors.FailedPreconditionError``. What differs from
 Horovod is listed in docs/horovod.md.
 """
 
-from matex._version import __version__ as matex_version
+from matex import _version
+
+matex_version = _version.__version__
 
 # The Horovod release whose API this mirrors: scripts compare horovod.__version__ with
 # Horovod's releases (e.g. to choose an API), not with MaTEx's. MaTEx's own version is

@@ -26,7 +26,31 @@ class SyncBatchNormalization(keras.layers.BatchNormalization):
         if not kwargs.get("name", None):
             kwargs["name"] = "sync_batch_normalization"
         kwargs.pop("synchronized", None)   # from get_config: always synchronised
-        from matex._keras import batchnorm
-
-        batchnorm.install()   # BatchNormalization(synchronized=True) over MaTEx's ranks
         super().__init__(synchronized=True, **kwargs)
+
+
+def _global_batch_moments(self, inputs, mask):
+    """This layer's own moments: the global batch's over MaTEx's ranks (one allreduce).
+
+    Explicit: only this class; plain ``BatchNormalization`` layers are not touched. One
+    process, a ``tf.distribute`` strategy, or a ``mask`` (Keras's masked moments, never
+    synchronised) take Keras's own computation.
+    """
+    import tensorflow as tf
+
+    from matex import _compat, _runtime
+    from matex._keras import batchnorm
+
+    if mask is not None or _runtime.size() == 1 or tf.distribute.has_strategy():
+        return getattr(keras.layers.BatchNormalization, _compat.BATCHNORM_MOMENTS)(
+            self, inputs, mask)
+    return batchnorm.global_moments(inputs, _compat.batchnorm_reduction_axes(self))
+
+
+def _override_moments():
+    from matex import _compat
+
+    setattr(SyncBatchNormalization, _compat.BATCHNORM_MOMENTS, _global_batch_moments)
+
+
+_override_moments()
