@@ -226,3 +226,21 @@ def test_sync_batch_normalization_patches_nothing_else():
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                           timeout=300, env=dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2"))
     assert proc.returncode == 0 and proc.stdout.strip() == "untouched", proc.stderr[-3000:]
+
+
+def test_shutdown_ends_horovod_until_init():
+    """hvd.shutdown() was a no-op: is_initialized() stayed True. As Horovod's: False after
+    it, the process figures raise Horovod's ValueError, and hvd.init() starts it again."""
+    import matex.horovod.tensorflow as hvd
+
+    hvd.init()
+    assert hvd.is_initialized() and hvd.rank() == 0
+    hvd.shutdown()
+    try:
+        assert not hvd.is_initialized()
+        for figure in (hvd.rank, hvd.size, hvd.local_rank, hvd.local_size):
+            with pytest.raises(ValueError, match="Horovod has not been initialized"):
+                figure()
+    finally:
+        hvd.init()
+    assert hvd.is_initialized() and (hvd.rank(), hvd.size()) == (0, 1)

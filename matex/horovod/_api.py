@@ -90,7 +90,9 @@ def init(comm: Any = None, process_sets: Any = None) -> None:
     """
     if comm is not None and not hasattr(comm, "Get_rank"):
         raise ValueError("hvd.init(comm=...) takes an mpi4py communicator here, not %r" % (comm,))
+    global _shut_down
     _runtime.init(comm)
+    _shut_down = False
     global_process_set.ranks = list(range(_runtime.size()))
     if comm is not None:
         global_process_set.mpi_comm = comm
@@ -114,16 +116,34 @@ def remove_process_set(process_set: ProcessSet) -> bool:
     return _process_sets.remove(process_set)
 
 
+_shut_down = False   # hvd.shutdown() ran and no hvd.init() since
+
+
 def shutdown() -> None:
-    """Horovod's ``hvd.shutdown``: MPI ends with the process; collectives still work after it."""
+    """Horovod's ``hvd.shutdown``: until ``hvd.init()`` runs again, ``is_initialized()`` is
+    False and ``rank``/``size``/``local_rank``/``local_size`` raise Horovod's ValueError.
+    MPI itself ends with the process (MaTEx's collectives keep working)."""
+    global _shut_down
+    _shut_down = True
 
 
 def is_initialized() -> bool:
-    """Whether ``init`` (explicit or implicit) has run."""
-    return _runtime._comm is not None
+    """Whether ``init`` (explicit or implicit) has run, and no ``shutdown`` since."""
+    return _runtime._comm is not None and not _shut_down
 
 
-rank, size, local_rank, local_size = matex.rank, matex.size, matex.local_rank, matex.local_size
+def _after_init(function: Callable[[], int]) -> Callable[[], int]:
+    @functools.wraps(function)
+    def read() -> int:
+        if _shut_down:
+            raise ValueError("Horovod has not been initialized; use hvd.init().")
+        return function()
+
+    return read
+
+
+rank, size, local_rank, local_size = (_after_init(f) for f in (
+    matex.rank, matex.size, matex.local_rank, matex.local_size))
 
 
 def _cross() -> tuple[int, int, bool]:
