@@ -244,3 +244,22 @@ def test_shutdown_ends_horovod_until_init():
     finally:
         hvd.init()
     assert hvd.is_initialized() and (hvd.rank(), hvd.size()) == (0, 1)
+
+
+def test_elastic_keras_epoch_advice_counts_each_epoch_once():
+    """The module's advice for resuming ``fit`` after a recovery (it said
+    ``initial_epoch=state.epoch``, which UpdateEpochStateCallback counts twice: 2 epochs
+    done then 3 more ended at state.epoch 7, not 5)."""
+    import keras
+    import numpy as np
+
+    import matex.horovod.tensorflow.keras.elastic as elastic
+
+    assert "fit(epochs=epochs - state.epoch)" in " ".join(elastic.__doc__.split())
+    model = keras.Sequential([keras.Input((2,)), keras.layers.Dense(1)])
+    model.compile("sgd", "mse")
+    state = elastic.KerasState(model, model.optimizer, epoch=2, batch=0)   # as recovered
+    epochs = 5
+    model.fit(np.ones((4, 2)), np.ones((4, 1)), epochs=epochs - state.epoch, verbose=0,
+              callbacks=[elastic.UpdateEpochStateCallback(state)])
+    assert state.epoch == epochs

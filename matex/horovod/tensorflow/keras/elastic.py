@@ -5,9 +5,11 @@
 and ``state.epoch`` and commit the state as Horovod's do. One difference on
 Keras 3: changing ``params['steps']`` no longer shortens an epoch, so the
 first epoch after a recovery is not shortened by the batches already
-committed in it (``UpdateBatchStateCallback``); pass
-``initial_epoch=state.epoch`` and commit at epoch ends (or count steps with
-``state.batch`` in a custom loop) to redo nothing.
+committed in it (``UpdateBatchStateCallback``); call
+``fit(epochs=epochs - state.epoch)`` (Horovod's pattern: ``UpdateEpochStateCallback``
+adds the epochs of this ``fit`` to the ones already done, so ``initial_epoch=state.epoch``
+would count them twice) and commit at epoch ends (or count steps with ``state.batch`` in a
+custom loop) to redo nothing.
 """
 
 from __future__ import annotations
