@@ -563,8 +563,10 @@ def _check_training_args(what: str, backward_passes_per_step: int = 1,
             "(MATEX_FUSION_THRESHOLD)", what)
 
 
-def _compression_spec(compression: type[Compressor]) -> str:
-    return "fp16" if compression is Compression.fp16 else "none"
+def _compression_spec(compression: type[Compressor]) -> Any:
+    from matex.horovod._compression import as_matex_compressor
+
+    return as_matex_compressor(compression)
 
 
 def _local_layers(local_layers: Any) -> list:

@@ -14,6 +14,7 @@ import tensorflow as tf
 import matex
 import matex.horovod.tensorflow as hvd
 import matex.horovod.tensorflow.keras as hvd_keras
+from matex.horovod.tensorflow import compression as hvd_compression
 from matex import _stats
 from helpers import all_equal_bytes, gather
 
@@ -360,3 +361,47 @@ def test_one_rank_alone_may_read_the_cross_figures():
     assert everyone == [(0, 1, True)] + [None] * (N - 1)
     # one node here: every rank is node 0 of 1
     assert (hvd.cross_rank(), hvd.cross_size(), hvd.is_homogeneous()) == (0, 1, True)
+
+
+class _HalvingCompressor(hvd_compression.Compressor):
+    """A user's compressor whose round trip halves (compress x2, decompress /4): the
+    result shows whether it was applied, and where."""
+
+    @staticmethod
+    def compress(tensor):
+        return tensor * 2.0, "ctx"
+
+    @staticmethod
+    def decompress(tensor, ctx):
+        assert ctx == "ctx"
+        return tensor / 4.0
+
+
+@pytest.mark.parametrize("traced", [False, True], ids=["eager", "traced"])
+def test_a_users_compressor_is_applied_by_the_tape_and_the_optimizer(traced):
+    """compression=<the user's hvd.Compressor> was silently replaced by none: the tape's
+    and the optimizer's averages now go through its compress and decompress."""
+    x, y = _data(1)
+    model = _linear()
+
+    def grads():
+        with tf.GradientTape() as tape:
+            loss = tf.reduce_mean(tf.square(model(x[R, 0]) - y[R, 0]))
+        tape = hvd.DistributedGradientTape(tape, compression=_HalvingCompressor)
+        return tape.gradient(loss, model.trainable_variables)
+
+    got = (tf.function(grads) if traced else grads)()
+    w, b = model.get_weights()
+    per_rank = [_mse_grads(w, b, x[r, 0], y[r, 0]) for r in range(N)]
+    mean_w = sum(g[0] for g in per_rank) / N
+    mean_b = sum(g[1] for g in per_rank) / N
+    np.testing.assert_allclose(got[0].numpy(), mean_w / 2, rtol=1e-5)
+    np.testing.assert_allclose(got[1].numpy(), mean_b / 2, rtol=1e-5)
+    opt = hvd_keras.DistributedOptimizer(keras.optimizers.SGD(LR),
+                                         compression=_HalvingCompressor)
+    with tf.GradientTape() as tape:
+        loss = tf.reduce_mean(tf.square(model(x[R, 0]) - y[R, 0]))
+    opt.apply_gradients(zip(tape.gradient(loss, model.trainable_variables),
+                            model.trainable_variables))
+    np.testing.assert_allclose(model.get_weights()[0], w - LR * mean_w / 2, rtol=1e-5)
+    assert all_equal_bytes(model.get_weights())
