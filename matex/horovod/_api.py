@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import inspect
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any
 
@@ -369,17 +368,6 @@ def _gradient_in_dtype(tensor: tf.Tensor) -> tf.Tensor:
     return cast(tensor)
 
 
-_ALLREDUCE_SCALES = "prescale_factor" in inspect.signature(matex.allreduce).parameters
-
-
-def _scale(tensor: tf.Tensor, factor: float) -> tf.Tensor:
-    if factor == 1.0:
-        return tensor
-    if tensor.dtype.is_floating:
-        return tensor * tf.cast(factor, tensor.dtype)
-    return tf.cast(tf.cast(tensor, tf.float64) * factor, tensor.dtype)
-
-
 @_as_horovod_errors
 def allreduce(tensor: tf.Tensor | tf.IndexedSlices, average: bool | None = None,
               device_dense: str = "", device_sparse: str = "",
@@ -409,22 +397,20 @@ def allreduce(tensor: tf.Tensor | tf.IndexedSlices, average: bool | None = None,
                                       "tf.IndexedSlices")
         values = allgather(tensor.values, process_set=process_set)
         indices = allgather(tensor.indices, process_set=process_set)
-        if op == Average:
-            values = values / tf.cast(_set_size(process_set), values.dtype)
+        if op == Average:   # the set's size when the op runs (a shrink changes it)
+            set_id = 0 if process_set is None else process_set.process_set_id
+            values = values / tf.cast(size_op(set_id), values.dtype)
         return tf.IndexedSlices(values, indices, dense_shape=tensor.dense_shape)
     tensor = tf.convert_to_tensor(tensor)
     compressed, context = compression.compress(tensor)
     if comm == 0:   # over every rank: announced, for ranks in hvd.join() (_join)
         compressed = _join.announced_allreduce(
             compressed, op, prescale_factor != 1.0 or postscale_factor != 1.0)
-    if _ALLREDUCE_SCALES:   # MaTEx applies Horovod's scaling rules itself
-        reduced = matex.allreduce(compressed, op=_op_name(op), name=name, comm=comm,
-                                  prescale_factor=prescale_factor,
-                                  postscale_factor=postscale_factor)
-        return compression.decompress(reduced, context)
-    scaled = _scale(compressed, prescale_factor)
-    reduced = matex.allreduce(scaled, op=_op_name(op), name=name, comm=comm)
-    return compression.decompress(_scale(reduced, postscale_factor), context)
+    # MaTEx's collectives apply Horovod's scaling rules (grouped_allreduce the same ones)
+    reduced = _collectives.allreduce(compressed, op=_op_name(op), name=name, comm=comm,
+                                     prescale_factor=prescale_factor,
+                                     postscale_factor=postscale_factor)
+    return compression.decompress(reduced, context)
 
 
 @_as_horovod_errors
@@ -443,18 +429,17 @@ def grouped_allreduce(tensors: Sequence[tf.Tensor], average: bool | None = None,
                           postscale_factor=postscale_factor, process_set=process_set)
                 for t in tensors]
     pairs = [compression.compress(tf.convert_to_tensor(t)) for t in tensors]
-    scaled = [_scale(c, prescale_factor) for c, _ in pairs]
     by_dtype: dict[tf.DType, list[int]] = {}
-    for i, t in enumerate(scaled):
+    for i, (t, _) in enumerate(pairs):
         by_dtype.setdefault(t.dtype, []).append(i)
-    reduced: list[Any] = [None] * len(scaled)
-    grouped = getattr(matex, "grouped_allreduce", None) or _collectives.grouped_allreduce
-    for indices in by_dtype.values():
-        for i, out in zip(indices, grouped([scaled[i] for i in indices], op=_op_name(op),
-                                                  comm=comm)):
+    reduced: list[Any] = [None] * len(pairs)
+    for indices in by_dtype.values():   # the scaling rules of allreduce, in the collective
+        outs = _collectives.grouped_allreduce(
+            [pairs[i][0] for i in indices], op=_op_name(op), comm=comm,
+            prescale_factor=prescale_factor, postscale_factor=postscale_factor)
+        for i, out in zip(indices, outs):
             reduced[i] = out
-    return [compression.decompress(_scale(r, postscale_factor), ctx)
-            for r, (_, ctx) in zip(reduced, pairs)]
+    return [compression.decompress(r, ctx) for r, (_, ctx) in zip(reduced, pairs)]
 
 
 @_as_horovod_errors

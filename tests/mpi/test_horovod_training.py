@@ -405,3 +405,49 @@ def test_a_users_compressor_is_applied_by_the_tape_and_the_optimizer(traced):
                             model.trainable_variables))
     np.testing.assert_allclose(model.get_weights()[0], w - LR * mean_w / 2, rtol=1e-5)
     assert all_equal_bytes(model.get_weights())
+
+
+def test_grouped_allreduce_scales_as_allreduce_does():
+    """hvd.grouped_allreduce applied pre/postscale itself (int32 Average with a postscale
+    rounded differently, float16 scaled in float16); it now takes allreduce's rules:
+    each grouped result equals the lone allreduce's, bit for bit (float sums here are
+    exact: a float sum's rounding may depend on how the message is cut)."""
+    cases = [(tf.int32, hvd.Average, 1.0, 2.0), (tf.int32, hvd.Sum, 0.7, 1.0),
+             (tf.float16, hvd.Sum, 0.5, 2.0), (tf.float32, hvd.Average, 4.0, 0.25)]
+    for dtype, op, pre, post in cases:
+        values = [tf.cast(tf.constant([1 + R, 7 * (R + 1), 1 + R * R]), dtype),
+                  tf.cast(tf.constant([[5 + R, 2], [3, 9 * R]]), dtype)]
+        grouped = hvd.grouped_allreduce(values, op=op, prescale_factor=pre,
+                                        postscale_factor=post)
+        alone = [hvd.allreduce(v, op=op, prescale_factor=pre, postscale_factor=post)
+                 for v in values]
+        for g, a in zip(grouped, alone):
+            assert g.dtype == a.dtype == dtype
+            np.testing.assert_array_equal(g.numpy(), a.numpy(), err_msg=str((dtype, op)))
+
+
+def test_sparse_average_divides_by_the_size_when_it_runs():
+    """A traced IndexedSlices Average divided by the size at trace time: after the
+    communicator changed (as a shrink changes it) it was wrong. Here the same traced
+    function runs on the world, then on halves of it (rank parity)."""
+    from matex import _runtime
+
+    @tf.function
+    def average(values):
+        slices = tf.IndexedSlices(values, tf.constant([R]), tf.constant([N, 2]))
+        return hvd.allreduce(slices, op=hvd.Average).values
+
+    mine = tf.constant([[float(R + 1), 2.0 * R]])
+    np.testing.assert_allclose(average(mine).numpy(),
+                               [[r + 1.0, 2.0 * r] for r in range(N)] / np.float32(N))
+    world, owned = matex.comm(), _runtime._owned
+    half = world.Split(R % 2, R)
+    _runtime._owned = False
+    _runtime._set_comm(half, owned=True)
+    try:
+        got = average(mine).numpy()
+    finally:
+        _runtime._set_comm(world, owned=owned)
+    members = [r for r in range(N) if r % 2 == R % 2]
+    np.testing.assert_allclose(got, [[r + 1.0, 2.0 * r] for r in members]
+                               / np.float32(len(members)))
