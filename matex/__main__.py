@@ -38,8 +38,8 @@ import contextlib
 import os
 import re
 import runpy
+import subprocess
 import sys
-import threading
 import traceback
 
 from matex import _config
@@ -98,35 +98,49 @@ def _quiet_tensorflow_startup():
         _transparent.around_import("tensorflow", _without_startup_notices)
 
 
+# The filter of _without_startup_notices, in its own process: it passes every other line
+# on as it arrives, and outlives this process if TensorFlow's import aborts it (a CPU
+# without AVX, a failed CUDA check), so the fatal line that says why is not lost.
+_FILTER = (
+    "import os, re, sys\n"
+    "notice = re.compile(sys.argv[1])\n"
+    "pending = b''\n"
+    "while chunk := os.read(0, 1 << 16):\n"
+    "    *lines, pending = (pending + chunk).split(b'\\n')\n"
+    "    kept = b''.join(line + b'\\n' for line in lines\n"
+    "                    if not notice.match(line.decode('utf-8', 'replace')))\n"
+    "    if kept:\n"
+    "        os.write(2, kept)\n"
+    "if pending and not notice.match(pending.decode('utf-8', 'replace')):\n"
+    "    os.write(2, pending)\n")
+
+
 @contextlib.contextmanager
 def _without_startup_notices():
-    """File descriptor 2 through a pipe while the block runs; its notice lines dropped after."""
+    """File descriptor 2 through a filter process while the block runs: TensorFlow's
+    start-up notices are dropped, every other line passes at once (see ``_FILTER``)."""
     sys.stderr.flush()
     saved = os.dup(2)
     read_end, write_end = os.pipe()
+    try:
+        filter_process = subprocess.Popen(
+            [sys.executable, "-S", "-c", _FILTER, _STARTUP_NOTICE.pattern],
+            stdin=read_end, stdout=subprocess.DEVNULL, stderr=saved, close_fds=True)
+    except OSError:   # no filter: TensorFlow's notices stay
+        for fd in (read_end, write_end, saved):
+            os.close(fd)
+        yield
+        return
+    os.close(read_end)
     os.dup2(write_end, 2)
     os.close(write_end)
-    chunks = []
-
-    def drain():   # the pipe must not fill up while TensorFlow writes
-        while chunk := os.read(read_end, 1 << 16):
-            chunks.append(chunk)
-
-    reader = threading.Thread(target=drain, name="matex-stderr-filter", daemon=True)
-    reader.start()
     try:
         yield
     finally:
         sys.stderr.flush()
-        os.dup2(saved, 2)   # the pipe's last write end closes: the reader sees its end
+        os.dup2(saved, 2)   # the pipe's last write end closes: the filter sees its end
         os.close(saved)
-        reader.join()
-        os.close(read_end)
-        text = b"".join(chunks).decode("utf-8", "replace")
-        kept = "".join(line for line in text.splitlines(keepends=True)
-                       if not _STARTUP_NOTICE.match(line))
-        if kept:
-            os.write(2, kept.encode("utf-8"))
+        filter_process.wait()
 
 
 USAGE = ("usage: python -m matex [--all-ranks] [--horovod] script.py [args...] | "

@@ -192,6 +192,26 @@ def test_the_startup_filter_drops_only_info_notices():
         "from python", "after"]
 
 
+def test_a_fatal_line_before_an_abort_in_the_filter_reaches_stderr():
+    """TensorFlow's import aborting (a CPU without AVX, a CUDA check) after its fatal line:
+    the line was held in the filter's pipe and lost with the process; it now passes."""
+    code = (
+        "import os\n"
+        "from matex.__main__ import _without_startup_notices\n"
+        "with _without_startup_notices():\n"
+        "    os.write(2, b'I0000 00:00:1795507254.554787    2299 port.cc:153] oneDNN custom "
+        "operations are on.\\n')\n"
+        "    os.write(2, b'F0000 00:00:1795507254.6 2299 cpu_feature_guard.cc:1] The "
+        "TensorFlow library was compiled to use AVX instructions\\n')\n"
+        "    os.abort()\n")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          timeout=60)
+    assert proc.returncode == -6
+    assert proc.stderr.splitlines() == [
+        "F0000 00:00:1795507254.6 2299 cpu_feature_guard.cc:1] The TensorFlow library was "
+        "compiled to use AVX instructions"], proc.stderr
+
+
 def test_python_m_matex_still_shows_a_rank_s_error(tmp_path):
     proc = _run(tmp_path, (
         "import os\n"
