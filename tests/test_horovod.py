@@ -263,3 +263,23 @@ def test_elastic_keras_epoch_advice_counts_each_epoch_once():
     model.fit(np.ones((4, 2)), np.ones((4, 1)), epochs=epochs - state.epoch, verbose=0,
               callbacks=[elastic.UpdateEpochStateCallback(state)])
     assert state.epoch == epochs
+
+
+def test_elastic_commits_of_two_scripts_never_meet(tmp_path, monkeypatch):
+    """Two scripts' ``__main__.train`` shared one commit file under the same checkpoint
+    directory, so one could silently resume the other's state. The file now names the
+    defining script's digest too: the same script finds its own file again."""
+    from matex.horovod import elastic
+
+    monkeypatch.setenv("MATEX_CHECKPOINT_DIR", str(tmp_path))
+
+    def train_in(script):
+        scope = {"__name__": "__main__"}
+        exec(compile("def train(state):\n    pass\n", script, "exec"), scope)
+        return scope["train"]
+
+    one, other = str(tmp_path / "one.py"), str(tmp_path / "other.py")
+    assert elastic.state_file(train_in(one)) != elastic.state_file(train_in(other))
+    assert elastic.state_file(train_in(one)) == elastic.state_file(train_in(one))
+    assert os.path.dirname(elastic.state_file(train_in(one))) == str(tmp_path)
+    assert "__main__.train" in os.path.basename(elastic.state_file(train_in(one)))

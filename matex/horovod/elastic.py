@@ -196,13 +196,22 @@ def _write_every() -> int:
 
 def state_file(func: Callable[..., Any]) -> str | None:
     """Where ``run(func)`` writes its commits through: under ``MATEX_CHECKPOINT_DIR``
-    (``matexrun --elastic``), one file per function; None when that is not set."""
+    (``matexrun --elastic``), one file per function; None when that is not set.
+
+    The name holds the function's module and name and a digest of the file that defines
+    it, so another script's ``__main__.train`` never resumes this one's commit.
+    """
+    import hashlib
+
     directory = _config.checkpoint_dir()
     if not directory:
         return None
     name = "%s.%s" % (getattr(func, "__module__", ""), getattr(func, "__qualname__", "func"))
-    return os.path.join(directory, "elastic-%s.pkl" % "".join(
-        c if c.isalnum() or c in "._-" else "_" for c in name))
+    code = getattr(func, "__code__", None)
+    source = os.path.abspath(code.co_filename) if code is not None else ""
+    digest = hashlib.sha1(source.encode("utf-8")).hexdigest()[:12]
+    return os.path.join(directory, "elastic-%s-%s.pkl" % ("".join(
+        c if c.isalnum() or c in "._-" else "_" for c in name), digest))
 
 
 def _sync(state: State) -> None:
