@@ -48,6 +48,26 @@ from matex import _config
 
 _seed = None        # the seed in use; None: not decided yet
 _decided = False
+_explicit = []      # explicit distributed layers the script imported ("horovod")
+
+
+def explicit_layer_in_use(name: str) -> None:
+    """The script uses an explicit distributed layer (``hvd.init()``, Horovod's optimizer
+    or tape): from now on the transparent Keras patches stand down
+    (``matex._keras.calls.patch``), so a script that distributes itself is never reduced
+    a second time by them. ``reset_explicit_layers`` undoes it (tests)."""
+    if name not in _explicit:
+        _explicit.append(name)
+
+
+def explicit_layer():
+    """The explicit layer in use (its name), or None."""
+    return _explicit[0] if _explicit else None
+
+
+def reset_explicit_layers() -> None:
+    """Forget the explicit layers used so far (the transparent patches act again)."""
+    _explicit.clear()
 
 
 class _ImportHook(importlib.abc.MetaPathFinder):

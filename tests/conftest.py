@@ -63,3 +63,14 @@ def _tier(item):
 def pytest_collection_modifyitems(config, items):
     for item in items:
         item.add_marker(getattr(pytest.mark, _tier(item)))
+
+
+@pytest.fixture(autouse=True)
+def _explicit_layers_end_with_the_test():
+    """A test that used Horovod's layer leaves MaTEx's transparent Keras patches acting for
+    the next one (they stand down once a script uses an explicit layer)."""
+    yield
+    if "matex._transparent" in __import__("sys").modules:
+        from matex import _transparent
+
+        _transparent.reset_explicit_layers()

@@ -283,3 +283,46 @@ def test_elastic_commits_of_two_scripts_never_meet(tmp_path, monkeypatch):
     assert elastic.state_file(train_in(one)) == elastic.state_file(train_in(one))
     assert os.path.dirname(elastic.state_file(train_in(one))) == str(tmp_path)
     assert "__main__.train" in os.path.basename(elastic.state_file(train_in(one)))
+
+
+def test_an_explicit_horovod_loop_under_python_m_matex_is_reduced_once(tmp_path):
+    """``python -m matex`` without --horovod (the path docs/horovod.md offers for
+    ``import matex.horovod...``): the transparent patch made the plain optimizer
+    distributed too, so the tape's output was averaged again and the local layer's
+    per-rank gradients became everyone's. The transparent patches stand down once the
+    Horovod layer is used: the local layer stays each rank's own, as in Horovod."""
+    out = str(tmp_path / "w")
+    _run([sys.executable, "-m", "matex.launcher", "-np", "2",
+          str(SCRIPTS / "horovod_explicit_loop.py"), out], tmp_path, tmp_path)
+    ranks = [_report(out, r) for r in range(2)]
+    assert [r["size"] for r in ranks] == [2, 2]
+    assert ranks[0]["shared"] == ranks[1]["shared"]
+    assert ranks[0]["local"] != ranks[1]["local"]      # each rank's own gradient
+    # one process with rank r's batch alone, local gradients scaled by 1/size (Horovod's
+    # scale_local_gradients), the shared layer's by the average: weights recomputed below
+    import keras
+    import numpy as np
+    import tensorflow as tf
+
+    start = {}
+    for r in range(2):
+        shared = keras.layers.Dense(1, kernel_initializer="ones")
+        local = keras.layers.Dense(2, kernel_initializer="ones")
+        model = keras.Sequential([keras.Input((3,)), local, shared])
+        start[r] = model
+    opts = {r: keras.optimizers.SGD(0.1) for r in range(2)}
+    for _ in range(2):
+        grads = {}
+        for r, model in start.items():
+            with tf.GradientTape() as tape:
+                loss = tf.reduce_mean(tf.square(model(tf.fill((4, 3), r + 1.0))))
+            grads[r] = tape.gradient(loss, model.trainable_variables)
+        for r, model in start.items():
+            mine = [g / 2 for g in grads[r][:2]]                     # local kernel, bias
+            avg = [(grads[0][i] + grads[1][i]) / 2 for i in (2, 3)]   # shared kernel, bias
+            opts[r].apply_gradients(zip(mine + avg, model.trainable_variables))
+    for r in range(2):
+        np.testing.assert_allclose(ranks[r]["local"], start[r].layers[0].kernel.numpy(),
+                                   rtol=1e-5)
+        np.testing.assert_allclose(ranks[r]["shared"], start[r].layers[1].kernel.numpy(),
+                                   rtol=1e-5)

@@ -15,7 +15,7 @@ from typing import Any
 import tensorflow as tf
 
 import matex
-from matex import _collectives, _process_sets, _runtime
+from matex import _collectives, _optimizer, _process_sets, _runtime, _transparent
 from matex.errors import is_mismatch
 from matex._process_sets import ProcessSet, global_process_set
 from matex.horovod import _join
@@ -92,6 +92,7 @@ def init(comm: Any = None, process_sets: Any = None) -> None:
     global _shut_down
     _runtime.init(comm)
     _shut_down = False
+    _transparent.explicit_layer_in_use("horovod")   # the transparent patches stand down
     global_process_set.ranks = list(range(_runtime.size()))
     if comm is not None:
         global_process_set.mpi_comm = comm
@@ -638,6 +639,8 @@ def _distributed_optimizer(optimizer, compression, sparse_as_dense, backward_pas
                            num_groups, groups, process_set, scale_local_gradients, local_layers,
                            what):
     from matex.legacy import _keras2
+
+    _transparent.explicit_layer_in_use("horovod")
     if _keras2.is_keras2(optimizer):   # Keras 2 (tf-keras): Horovod's Keras 2 optimizer
         return _keras2.horovod_optimizer(
             optimizer, compression, sparse_as_dense, backward_passes_per_step, op,
@@ -671,6 +674,11 @@ def _distributed_optimizer(optimizer, compression, sparse_as_dense, backward_pas
         state.threshold)
     state.strategy = _reduce_within(reduction, process_set)
     object.__setattr__(optimizer, "register_local_var", reduction.register_local_var)
+    # Explicit, as Horovod's: it reduces what it is given, over its set, and broadcasts
+    # nothing unasked (no first-step broadcast of rank 0's weights over every rank, which
+    # hung a set training alone and overwrote local layers): the script broadcasts
+    # (BroadcastGlobalVariablesCallback, hvd.broadcast_variables).
+    _optimizer.mark_first_step_synced(optimizer)
     return optimizer
 
 
@@ -679,6 +687,7 @@ def _distributed_tape(gradtape, compression, sparse_as_dense, op, gradient_predi
     from matex.compression import _spec
     from matex.horovod._training import HorovodReduction, horovod_tape
 
+    _transparent.explicit_layer_in_use("horovod")
     _check_training_args(what, 1, gradient_predivide_factor, op, num_groups, groups,
                          process_set)
     reduction = HorovodReduction(_training_op(op, what),

@@ -39,3 +39,13 @@ def pytest_runtest_call(item):
         yield
     finally:
         faulthandler.cancel_dump_traceback_later()
+
+
+@pytest.fixture(autouse=True)
+def _explicit_layers_end_with_the_test():
+    """A test that used Horovod's layer leaves MaTEx's transparent Keras patches acting for
+    the next one (they stand down once a script uses an explicit layer)."""
+    yield
+    from matex import _transparent
+
+    _transparent.reset_explicit_layers()

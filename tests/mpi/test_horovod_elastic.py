@@ -8,6 +8,7 @@ previous launch left on disk. (Rank failures: tests/test_elastic.py.)
 """
 
 import os
+import re
 import pickle
 
 import keras
@@ -91,7 +92,8 @@ def test_commits_are_written_through_every_n_on_rank_0(tmp_path, monkeypatch):
         pass
 
     path = elastic.state_file(train)
-    assert os.path.dirname(path) == directory and path.endswith(".train.pkl"), path
+    assert os.path.dirname(path) == directory and re.search(r"\.train-[0-9a-f]{12}\.pkl$",
+                                                            path), path
     state = elastic.ObjectState(step=0)
     state._file = path
     written = []

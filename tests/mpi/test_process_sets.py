@@ -240,3 +240,38 @@ def test_tape_and_optimizer_average_within_the_set():
         assert w.numpy().tolist() == [want]
     finally:
         assert hvd.remove_process_set(ps)
+
+
+def test_two_sets_train_two_models_each_within_itself(halves):
+    """Horovod's pattern: each set trains its own model inside ``if ps.included():``, with
+    ``DistributedOptimizer(process_set=ps)``. Its first apply broadcast rank 0's weights
+    over every rank (an implicit first-step sync): the odd set's model was overwritten by
+    the even set's (or, with one set training alone, the job hung). Now each optimizer
+    reduces over its set and broadcasts nothing: each model is its own set's."""
+    import keras
+
+    ps, members = halves
+    assert ps.included()
+    start = 10.0 * (R % 2) + 1.0           # the even set's model, the odd set's model
+    w = tf.Variable([start, -start])
+    opt = hvd.DistributedOptimizer(keras.optimizers.SGD(0.5), process_set=ps)
+    for step in range(2):
+        opt.apply([tf.constant([float(R + 1), float(step)])], [w])
+    mean = sum(m + 1 for m in members) / len(members)
+    np.testing.assert_allclose(w.numpy(), [start - 0.5 * 2 * mean, -start - 0.5 * 1.0],
+                               rtol=1e-6)
+
+
+def test_registered_local_variables_keep_their_own_values():
+    """register_local_var: a per-rank variable is updated by its own gradient only. The
+    optimizer's first apply used to broadcast rank 0's value of it (and of every
+    variable) first, which undid the per-rank state."""
+    import keras
+
+    shared, local = tf.Variable([1.0, 2.0]), tf.Variable([10.0 * (R + 1)])
+    opt = hvd.DistributedOptimizer(keras.optimizers.SGD(1.0))
+    opt.register_local_var(local)
+    opt.apply([tf.constant([float(R), 1.0]), tf.constant([float(R + 1)])], [shared, local])
+    np.testing.assert_allclose(shared.numpy(), [1.0 - (N - 1) / 2, 1.0], rtol=1e-6)
+    # its own gradient, scaled by 1 / size as Horovod scales local gradients
+    np.testing.assert_allclose(local.numpy(), [10.0 * (R + 1) - (R + 1) / N], rtol=1e-6)
