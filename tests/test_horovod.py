@@ -326,3 +326,37 @@ def test_an_explicit_horovod_loop_under_python_m_matex_is_reduced_once(tmp_path)
                                    rtol=1e-5)
         np.testing.assert_allclose(ranks[r]["shared"], start[r].layers[1].kernel.numpy(),
                                    rtol=1e-5)
+
+
+def test_accumulation_fires_past_n_and_is_recovery_state():
+    """backward_passes_per_step: a counter a failed reducing call left past N fires at the
+    next call (it never did: due() was an equality, and updates stopped with no error);
+    the counter and accumulators are one of the optimizer's recovery states, put back
+    when a call's work was not committed (the optimizer's iterations did not move)."""
+    import keras
+    import numpy as np
+    import tensorflow as tf
+
+    import matex.horovod.tensorflow as hvd
+    from matex import _recovery
+    from matex.horovod._training import AccumulationState
+
+    w = tf.Variable([0.0])
+    opt = hvd.DistributedOptimizer(keras.optimizers.SGD(1.0), backward_passes_per_step=2)
+    opt.apply([tf.constant([1.0])], [w])                  # counted, not applied
+    reduction = opt._matex.strategy
+    assert int(reduction.counter) == 1 and w.numpy().tolist() == [0.0]
+    states = [s for s in _recovery.step_states(opt, lambda: []) if
+              isinstance(s, AccumulationState)]
+    assert len(states) == 1
+    state = states[0]
+    state.begin_step()
+    reduction.counter.assign(5)                           # as an interrupted call left it
+    next(iter(reduction.accumulators.values())).assign([7.0])
+    state.restore()                                       # iterations did not move
+    assert int(reduction.counter) == 1
+    np.testing.assert_array_equal(next(iter(reduction.accumulators.values())).numpy(), [1.0])
+    reduction.counter.assign(5)                           # no recovery ran: past N
+    opt.apply([tf.constant([2.0])], [w])
+    np.testing.assert_allclose(w.numpy(), [-3.0])         # 1 + 2 accumulated, applied
+    assert int(reduction.counter) == 0

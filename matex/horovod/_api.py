@@ -674,6 +674,10 @@ def _distributed_optimizer(optimizer, compression, sparse_as_dense, backward_pas
         state.threshold)
     state.strategy = _reduce_within(reduction, process_set)
     object.__setattr__(optimizer, "register_local_var", reduction.register_local_var)
+    if backward_passes_per_step > 1:   # the counter and accumulators: recovery state
+        from matex import _recovery
+
+        _recovery.join(optimizer, lambda opt, variables: reduction.recovery_state(opt))
     # Explicit, as Horovod's: it reduces what it is given, over its set, and broadcasts
     # nothing unasked (no first-step broadcast of rank 0's weights over every rank, which
     # hung a set training alone and overwrote local layers): the script broadcasts

@@ -26,7 +26,7 @@ from typing import Any
 
 import tensorflow as tf
 
-from matex import _collectives, _commit, _compat, _tape
+from matex import _collectives, _commit, _compat, _recovery, _tape
 from matex.compression import _reduce
 from matex.horovod import _join
 
@@ -180,8 +180,16 @@ class HorovodReduction:
         return out
 
     def due(self) -> tf.Tensor:
-        """Whether this call is the N-th (the counter is read after this call's increment)."""
-        return tf.equal(self.counter.read_value(), self.passes)
+        """Whether this call is the N-th (the counter is read after this call's increment).
+
+        At N or past it: a counter a failed call left past N still fires (equality
+        alone would never fire again, and updates would stop with no error).
+        """
+        return tf.greater_equal(self.counter.read_value(), self.passes)
+
+    def recovery_state(self, optimizer: Any) -> Any:
+        """The counter and accumulators as a recovery-loop state (``AccumulationState``)."""
+        return AccumulationState(self, optimizer)
 
     def finish(self, summed: list, variables: list | None) -> list:
         """The accumulated gradients reduced over ranks (divided by N if asked)."""
@@ -197,6 +205,45 @@ class HorovodReduction:
         for acc in self.accumulators.values():
             acc.assign(tf.zeros_like(acc))
         self.counter.assign(0)
+
+
+class AccumulationState(_recovery.State):
+    """``backward_passes_per_step``'s counter and accumulators under the recovery loop.
+
+    A call that a rank failure interrupts may have added its gradients and counted
+    itself before its update was committed: ``begin_step`` snapshots the counter and the
+    accumulators, ``restore`` puts them back when the optimizer's iterations did not move
+    (the call's work was not committed on this rank). ``sync`` takes the lowest rank's
+    counter, so every survivor reduces at the same call; the accumulators are each rank's
+    own gradients and stay.
+    """
+
+    def __init__(self, reduction: HorovodReduction, optimizer: Any) -> None:
+        self.reduction, self.optimizer = reduction, optimizer
+        self._at: int | None = None
+        self._saved: list = []
+
+    def _variables(self) -> list:
+        r = self.reduction
+        return ([r.counter] if r.counter is not None else []) + list(r.accumulators.values())
+
+    def begin_step(self) -> None:
+        self._at = int(self.optimizer.iterations)
+        self._saved = [v.numpy() for v in self._variables()]
+
+    def restore(self) -> None:
+        if self._at is not None and int(self.optimizer.iterations) == self._at:
+            for v, value in zip(self._variables(), self._saved):
+                v.assign(value)
+        self._at = None
+
+    def sync(self) -> None:
+        if self.reduction.counter is not None:
+            _collectives.broadcast_variables([self.reduction.counter], 0)
+
+    def arrays(self) -> list:
+        counter = self.reduction.counter
+        return [counter.numpy()] if counter is not None else []
 
 
 class _HorovodTapeMixin:
