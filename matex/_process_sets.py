@@ -323,7 +323,19 @@ def remove(process_set: ProcessSet) -> bool:
 
     with _lock:
         sid = process_set.process_set_id
-        if sid is None or sid == 0 or not _same(_sets.get(sid), process_set):
+        known = sid is not None and sid != 0 and _same(_sets.get(sid), process_set)
+        # every rank calls it, agreed first (a communicator-built set may be a different
+        # one per rank): called on some ranks only, the others' next process-set call
+        # (add, remove) meets this one and both raise, instead of the sets' tables parting
+        # ways (a later add raised on some ranks and blocked in Split on the others)
+        note = "remove_process_set called"
+        everyone = _comm().allgather(note)
+        if any(m != note for m in everyone):
+            raise ValueError(
+                "matex process sets: remove_process_set is collective, every rank calls it: "
+                "%s" % "; ".join("rank %d: %s" % (r, m if m == note else "another call")
+                                 for r, m in enumerate(everyone)))
+        if not known:
             return False
         registered = _sets.pop(sid)
         process_set._invalidate()

@@ -275,3 +275,20 @@ def test_registered_local_variables_keep_their_own_values():
     np.testing.assert_allclose(shared.numpy(), [1.0 - (N - 1) / 2, 1.0], rtol=1e-6)
     # its own gradient, scaled by 1 / size as Horovod scales local gradients
     np.testing.assert_allclose(local.numpy(), [10.0 * (R + 1) - (R + 1) / N], rtol=1e-6)
+
+
+def test_remove_called_on_some_ranks_only_is_an_error_on_every_rank():
+    """remove_process_set is collective. Called on the set's members only, it removed the
+    set there and nowhere else; the others' next add of the same ranks blocked in Split
+    while the members' raised. Now both calls meet: a ValueError on every rank, and the
+    set is still registered everywhere."""
+    members = list(range(max(1, N - 1)))
+    ps = hvd.add_process_set(members)
+    if R in members:
+        with pytest.raises(ValueError, match="remove_process_set is collective"):
+            hvd.remove_process_set(ps)
+    else:
+        with pytest.raises(ValueError, match="remove_process_set"):
+            hvd.add_process_set(members)
+    assert hvd.remove_process_set(ps)                     # every rank: removed at once
+    assert not hvd.remove_process_set(ps)                 # and only once
