@@ -25,7 +25,8 @@ Fields of one fault (faults are separated by ``;``):
   ``python -m matex`` before it reports to ``matexrun --ft`` or initialises
   MPI: a rank lost while the job starts; ``step`` must be 0) or ``seed`` (in
   ``python -m matex`` after MaTEx started, as the script's random seed is
-  shared; ``step`` must be 0).
+  shared; ``step`` must be 0) or ``elastic`` (on entering ``hvd.elastic.run``'s
+  function, before its first collective; ``step`` counts the calls, from 0).
 
 A fault fires once.
 """
@@ -37,7 +38,7 @@ from matex import _config
 
 KINDS = ("kill", "exception", "hang")
 PLACES = ("allreduce", "begin", "evaluate", "checkpoint", "start", "fit", "build", "init",
-          "seed")
+          "seed", "elastic")
 
 
 class InjectedFault(RuntimeError):

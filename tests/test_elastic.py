@@ -76,6 +76,30 @@ def test_survivors_restore_the_last_commit_and_run_again(tmp_path):
     assert (fit[0]["epoch"], fit[0]["batch"], fit[0]["iterations"]) == (3, 0, 3 * 4), fit[0]
 
 
+def test_a_rank_lost_before_the_first_collective_of_run_is_recovered(tmp_path):
+    """3 ranks: rank 2 killed on entering hvd.elastic.run, before its first collective
+    (reading the commit on disk, the first sync). That collective ran outside the
+    recovery loop, so the loss ended every survivor; now the two survivors train every
+    step, each sample once per epoch, with equal states."""
+    out = tmp_path / "r"
+    proc = subprocess.run([MATEXRUN, "--ft", "--horovod", "-n", "3", "--inject-fault",
+                           "rank=2,step=0,kind=kill,at=elastic",
+                           str(SCRIPTS / "elastic_loop.py"), str(out), str(PER_EPOCH),
+                           str(EPOCHS)],
+                          capture_output=True, text=True, timeout=300, env=_env(),
+                          cwd=tmp_path)
+    err = proc.stderr[-4000:]
+    assert proc.returncode == 0, err
+    done = _reports(out)
+    assert sorted(done) == [0, 1], err
+    steps = PER_EPOCH * EPOCHS
+    assert len({rep["digest"] for rep in done.values()}) == 1, "survivors' states differ"
+    for rep in done.values():
+        assert rep["returned"] == rep["batch"] == rep["iterations"] == steps, rep
+        assert rep["seen"] == [float(EPOCHS)] * (PER_EPOCH * 12), "a sample lost or repeated"
+        assert rep["sizes"] == [2] * steps, rep["sizes"]
+
+
 # ------------------------------------------------- a host lost with its Open MPI daemon
 
 HOST_STEPS = 40

@@ -47,7 +47,7 @@ from typing import Any, Callable, TypeVar
 
 import numpy as np
 
-from matex import _config, _recovery, _runtime
+from matex import _config, _faults, _recovery, _runtime
 from matex._everywhere import on_every_rank
 
 WRITE_EVERY_VAR = _config.ELASTIC_WRITE_EVERY_VAR
@@ -262,6 +262,9 @@ def _remove(state: State, path: str) -> None:
         os.remove(path)
 
 
+_calls: dict = {}   # function's name -> how often run(func) was entered (fault injection)
+
+
 def run(func: F) -> F:
     """Run ``func(state, ...)`` to its end across rank failures (Horovod's ``hvd.elastic.run``).
 
@@ -276,24 +279,35 @@ def run(func: F) -> F:
     def wrapper(state: State, *args: Any, **kwargs: Any) -> Any:
         path = state_file(func)
         state._file = path
-        on_every_rank(_runtime.control(), _resume, state, path,
-                      what="hvd.elastic: resuming from %s" % path)
-        synced = []
+        key = "%s.%s" % (getattr(func, "__module__", ""), getattr(func, "__qualname__", ""))
+        _faults.maybe_fail(_calls.setdefault(key, 0), "elastic")
+        _calls[key] += 1
+        resumed, synced, finished = [], [], []
 
+        # Every collective runs inside the recovery loop, from the first: a rank lost while
+        # the commit on disk is read, the state synchronised, or the finished function's
+        # file removed is recovered like one lost in a step (before, such a loss outside
+        # the loop ended every survivor).
         def body():
+            if not resumed:   # again after a loss in it: the new rank 0 reads the file
+                on_every_rank(_runtime.control(), _resume, state, path,
+                              what="hvd.elastic: resuming from %s" % path)
+                resumed.append(True)
+                synced.clear()
             if not synced:
                 _sync(state)
                 synced.append(True)
-            return func(state, *args, **kwargs)
+            if not finished:
+                finished.append(func(state, *args, **kwargs))
+            if path is not None:
+                on_every_rank(_runtime.control(), _remove, state, path,
+                              what="hvd.elastic: removing %s" % path)
+            return finished[0]
 
         try:
-            result = _recovery.run(body, [_Recovering(state, synced)])
+            return _recovery.run(body, [_Recovering(state, synced)])
         finally:
             state._file = None
-        if path is not None:
-            on_every_rank(_runtime.control(), _remove, state, path,
-                          what="hvd.elastic: removing %s" % path)
-        return result
 
     return wrapper  # type: ignore[return-value]
 
