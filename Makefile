@@ -10,6 +10,9 @@ export OMPI_ALLOW_RUN_AS_ROOT := 1
 export OMPI_ALLOW_RUN_AS_ROOT_CONFIRM := 1
 export TF_CPP_MIN_LOG_LEVEL := 2
 export PIP_DISABLE_PIP_VERSION_CHECK := 1
+# pytest-xdist workers for `make test`: a module stays on one worker; on 2 cores two
+# workers fill the time one spends waiting (launches, failure detection)
+MATEX_TEST_WORKERS ?= 2
 
 .PHONY: demo test ops venv bench clean docs dist
 
@@ -33,7 +36,7 @@ demo: ops
 
 test: ops
 	$(PY) -m ruff check .
-	$(PY) -m pytest -q --durations=25 tests
+	$(PY) -m pytest -q -n $(MATEX_TEST_WORKERS) --dist loadfile --no-loadscope-reorder --durations=25 tests
 
 # the CLI and environment reference pages are generated from the code first
 docs: $(STAMP)

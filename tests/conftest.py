@@ -7,6 +7,10 @@
 * ``sysmpi``: builds and runs against the system's own MPI;
 * ``unit``: everything else (one process, seconds).
 
+``make test`` shares the modules among two pytest-xdist workers (``MATEX_TEST_WORKERS``),
+a module on one worker. Jobs of the two may run side by side: a test looks only at its own
+job's processes, files and namespaces.
+
 A test gets one tier, the most specific that applies.
 
 A test that failed only because Open MPI's launcher failed to start, before any rank
@@ -60,9 +64,26 @@ def _tier(item):
     return "unit"
 
 
+# Modules that take minutes, started first when pytest-xdist shares the modules among
+# workers (``make test``: ``-n 2 --dist loadfile --no-loadscope-reorder``), longest first,
+# so that the last minutes do not run one long module alone. Order only: a module not
+# listed keeps its place after these.
+_LONG_FIRST = ("test_fault_tolerance", "test_pipeline", "test_benchmarks", "test_cluster",
+               "test_mpi_suites", "test_transparency", "test_hpo_oracles", "test_legacy_tf1",
+               "test_readers", "test_parallel", "test_chaos", "test_elastic", "test_launch",
+               "test_packaging", "test_layers_distributed", "test_legacy_keras2",
+               "test_science_training", "test_legacy_graph")
+
+
+def _module_name(item):
+    return getattr(getattr(item, "module", None), "__name__", "").rsplit(".", 1)[-1]
+
+
 def pytest_collection_modifyitems(config, items):
     for item in items:
         item.add_marker(getattr(pytest.mark, _tier(item)))
+    rank = {name: i for i, name in enumerate(_LONG_FIRST)}
+    items.sort(key=lambda item: rank.get(_module_name(item), len(rank)))
 
 
 @pytest.fixture(autouse=True)
