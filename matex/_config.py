@@ -286,6 +286,24 @@ def fusion_threshold() -> int:
     return _number("MATEX_FUSION_THRESHOLD", DEFAULT_FUSION_THRESHOLD, int, 0)
 
 
+_register("MATEX_INTRA_OP_THREADS", "auto", """TensorFlow compute threads per rank: `auto`
+    (this rank's share of the cores its node's ranks may run on, set as
+    `TF_NUM_INTRAOP_THREADS` when MaTEx starts), `tf` (TensorFlow's default: every core the
+    process may run on), or a number. `TF_NUM_INTRAOP_THREADS` set by you wins.""")
+
+
+_register("MATEX_INTRA_OP_THREADS_SET", "", """The `TF_NUM_INTRAOP_THREADS` MaTEx set in a
+    rank, so that a process the rank starts tells it from one the user set.""", "internal")
+
+
+def intra_op_threads():
+    """``MATEX_INTRA_OP_THREADS``: ``"auto"``, ``"tf"`` or a whole number >= 1."""
+    text = _get("MATEX_INTRA_OP_THREADS").strip().lower()
+    if text in ("", "auto", "tf"):
+        return text or "auto"
+    return _number("MATEX_INTRA_OP_THREADS", 0, int, 1)
+
+
 def start_timeout() -> float:
     """Seconds every rank has to reach MaTEx's start (``MATEX_START_TIMEOUT``, default 600).
 

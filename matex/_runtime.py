@@ -81,13 +81,15 @@ def init(comm: MPI.Intracomm | None = None) -> None:
         _require_thread_multiple(MPI)
         if comm is not None:
             _set_comm(comm, owned=False)
-            return
-        if ft_mode() == "ulfm":
+        elif ft_mode() == "ulfm":
             _start_ulfm()
         else:
             MPI.COMM_WORLD.Set_errhandler(MPI.ERRORS_RETURN)
             _wait_for_every_rank(MPI.COMM_WORLD)
             _set_comm(MPI.COMM_WORLD.Dup())
+        from matex import _threads
+
+        _threads.size_pools(_local)   # before TensorFlow makes its thread pools
 
 
 _THREAD_LEVELS = ("SINGLE", "FUNNELED", "SERIALIZED", "MULTIPLE")

@@ -1,9 +1,67 @@
-"""The communicator state: control traffic apart from data, replaced communicators freed."""
+"""The communicator state: control traffic apart from data, replaced communicators freed;
+TensorFlow's compute threads sized to each rank's share of its node."""
 
+import os
+
+import pytest
 from mpi4py import MPI
 
 import matex
-from matex import _runtime
+from matex import _runtime, _threads
+
+
+def test_tensorflow_threads_are_this_ranks_share_of_the_nodes_cores():
+    matex.init()
+    local = MPI.COMM_WORLD.Split_type(MPI.COMM_TYPE_SHARED)
+    cores = local.allgather(sorted(os.sched_getaffinity(0)))
+    local.Free()
+    if len({tuple(c) for c in cores}) != 1:
+        pytest.skip("the node's ranks are bound to different cores: %s" % cores)
+    # unbound ranks (every rank may run on every core): the cores shared out, at least one
+    assert os.environ["TF_NUM_INTRAOP_THREADS"] == str(max(1, len(cores[0]) // len(cores)))
+
+
+def test_a_rank_bound_to_its_own_cores_gets_them_and_shared_cores_are_split():
+    own = [frozenset({0, 1}), frozenset({2, 3})]
+    assert _threads.share_of(own[0], own) == 2                     # bound: its own cores
+    every = [frozenset(range(8))] * 3
+    assert _threads.share_of(every[0], every) == 2                 # 8 cores, 3 ranks: 2
+    assert _threads.share_of(frozenset({0}), [frozenset({0})] * 4) == 1   # never 0
+    mixed = [frozenset({0, 1, 2, 3}), frozenset({2, 3})]           # 0, 1 alone; 2, 3 halved
+    assert _threads.share_of(mixed[0], mixed) == 3
+
+
+class _Local:
+    def __init__(self, everyones):
+        self.everyones = everyones
+
+    def allgather(self, mine):
+        return self.everyones
+
+    def Get_size(self):
+        return len(self.everyones)
+
+
+def test_the_users_thread_choice_stands(monkeypatch):
+    node = _Local([list(range(4))] * 2)
+    monkeypatch.setattr(_threads, "_affinity", lambda: frozenset(range(4)))
+    for name in ("TF_NUM_INTRAOP_THREADS", "MATEX_INTRA_OP_THREADS", "MATEX_INTRA_OP_THREADS_SET"):
+        monkeypatch.setenv(name, "")   # recorded, so that the test's values are undone
+        monkeypatch.delenv(name)
+    assert _threads.size_pools(node) == 2 and os.environ["TF_NUM_INTRAOP_THREADS"] == "2"
+    monkeypatch.setenv("TF_NUM_INTRAOP_THREADS", "3")               # TensorFlow's own setting
+    assert _threads.size_pools(node) is None and os.environ["TF_NUM_INTRAOP_THREADS"] == "3"
+    monkeypatch.delenv("TF_NUM_INTRAOP_THREADS")
+    monkeypatch.setenv("MATEX_INTRA_OP_THREADS", "tf")             # TensorFlow's default
+    assert _threads.size_pools(node) is None and "TF_NUM_INTRAOP_THREADS" not in os.environ
+    monkeypatch.setenv("MATEX_INTRA_OP_THREADS", "5")
+    assert _threads.size_pools(node) == 5 and os.environ["TF_NUM_INTRAOP_THREADS"] == "5"
+    monkeypatch.setenv("TF_NUM_INTRAOP_THREADS", "5")               # inherited from a rank:
+    monkeypatch.setenv("MATEX_INTRA_OP_THREADS", "auto")           # sized again
+    assert _threads.size_pools(node) == 2 and os.environ["TF_NUM_INTRAOP_THREADS"] == "2"
+    monkeypatch.setenv("MATEX_INTRA_OP_THREADS", "0")
+    with pytest.raises(ValueError, match="MATEX_INTRA_OP_THREADS"):
+        _threads.size_pools(node)
 
 
 def test_control_communicator_is_a_separate_duplicate_of_the_data_one():

@@ -1,0 +1,70 @@
+"""TensorFlow's CPU compute threads sized to the cores each rank has on its node.
+
+TensorFlow sizes its intra-op pool to every core the process may run on. Under
+``mpiexec`` several ranks share a node, and unbound (``matexrun``'s default) each
+sees every core: two ranks on two cores run four compute threads, and a rank that
+waits in a collective competes with its peer's computation. MaTEx sets
+``TF_NUM_INTRAOP_THREADS`` to this rank's share of the node's cores when MPI
+starts, before TensorFlow makes its thread pools, unless the user chose:
+
+* ``TF_NUM_INTRAOP_THREADS`` set in the environment (TensorFlow's own setting);
+* ``tf.config.threading.set_intra_op_parallelism_threads`` (it wins over the variable);
+* ``MATEX_INTRA_OP_THREADS``: ``auto`` (the default, the share), ``tf`` (leave
+  TensorFlow's default), or a number.
+
+A process a rank starts inherits the variable; ``MATEX_INTRA_OP_THREADS_SET`` marks it
+as MaTEx's, so that a MaTEx job started from it sizes its own ranks again.
+
+A rank's share: each core this rank may run on counts ``1 / k`` when ``k`` ranks of
+the node may run on it (one small allgather among the node's ranks at start), at
+least one thread. TensorFlow reads the variable when it makes its runtime, so a
+script that ran TensorFlow ops before MaTEx started keeps TensorFlow's default.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+
+from matex import _config
+
+log = logging.getLogger("matex")
+
+TF_INTRA_OP_VAR = "TF_NUM_INTRAOP_THREADS"
+SET_BY_MATEX_VAR = "MATEX_INTRA_OP_THREADS_SET"   # the value MaTEx set, inherited by children
+
+
+def _affinity() -> frozenset:
+    if hasattr(os, "sched_getaffinity"):
+        return frozenset(os.sched_getaffinity(0))
+    return frozenset(range(os.cpu_count() or 1))
+
+
+def share_of(mine: frozenset, everyones: list) -> int:
+    """Threads for a rank that may run on cores ``mine`` when the node's ranks (itself
+    included) may run on ``everyones``: its share of each core, summed, at least 1."""
+    share = sum(1.0 / max(1, sum(core in cores for cores in everyones)) for core in mine)
+    return max(1, int(share + 1e-9))
+
+
+def size_pools(local) -> int | None:
+    """Set ``TF_NUM_INTRAOP_THREADS`` for this rank (collective over ``local``, the node's
+    ranks); returns the number set, or None when the user's choice stands."""
+    choice = _config.intra_op_threads()
+    user_set = os.environ.get(TF_INTRA_OP_VAR, "").strip()
+    if user_set and user_set == _config.variable(SET_BY_MATEX_VAR):
+        user_set = ""   # a MaTEx rank's setting that a process it started inherited
+    mine = _affinity()
+    # every rank takes part in the allgather, whatever its own choice
+    try:
+        everyones = [frozenset(c) for c in local.allgather(sorted(mine))]
+    except Exception:  # noqa: BLE001 - an MPI error at start (a lost rank under ULFM):
+        everyones = [mine] * local.Get_size()   # assume the node's ranks share my cores;
+        # the next collective meets the failure where recovery handles it
+    if user_set or choice == "tf":
+        return None
+    threads = choice if isinstance(choice, int) else share_of(mine, everyones)
+    os.environ[TF_INTRA_OP_VAR] = os.environ[SET_BY_MATEX_VAR] = str(threads)
+    log.debug("matex: %s=%d (%d cores, %d ranks on this node)", TF_INTRA_OP_VAR, threads,
+              len(mine), len(everyones))
+    return threads
