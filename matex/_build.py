@@ -90,28 +90,27 @@ def is_mpi_library(path: str) -> bool:
     return bool(_MPI_LIBRARY.match(os.path.basename(path)))
 
 
-def mapped_libmpis(maps_lines=None) -> list:
-    """Real paths of every MPI C library mapped into this process (``/proc/self/maps``,
-    or the given lines), sorted."""
+def _mapped_files(maps_lines=None) -> set:
+    """Paths of the files mapped into this process (``/proc/self/maps``, or the given
+    lines)."""
     if maps_lines is None:
         with open("/proc/self/maps") as maps:
             maps_lines = maps.readlines()
-    libs = set()
-    for line in maps_lines:
-        name = line.rsplit(None, 1)[-1]
-        if "/" in name and is_mpi_library(name):
-            libs.add(os.path.realpath(name))
-    return sorted(libs)
+    return {name for name in (line.rsplit(None, 1)[-1] for line in maps_lines if line.strip())
+            if "/" in name}
+
+
+def mapped_libmpis(maps_lines=None) -> list:
+    """Real paths of every MPI C library mapped into this process (``/proc/self/maps``,
+    or the given lines), sorted."""
+    return sorted({os.path.realpath(name) for name in _mapped_files(maps_lines)
+                   if is_mpi_library(name)})
 
 
 def _mapped_mpi_like(maps_lines=None) -> list:
     """Mapped files whose name holds ``mpi`` (for the error when none is recognised)."""
-    if maps_lines is None:
-        with open("/proc/self/maps") as maps:
-            maps_lines = maps.readlines()
-    names = {line.rsplit(None, 1)[-1] for line in maps_lines}
-    return sorted(n for n in names if "/" in n and "mpi" in os.path.basename(n).lower()
-                  and ".so" in n and "mpi4py" not in n)
+    return sorted(n for n in _mapped_files(maps_lines)
+                  if "mpi" in os.path.basename(n).lower() and ".so" in n and "mpi4py" not in n)
 
 
 def _loaded_libmpi():
