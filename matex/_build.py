@@ -39,7 +39,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-from matex import _config
+from matex import _atomic, _config
 
 
 class BuildError(RuntimeError):
@@ -296,10 +296,8 @@ def _probe(name, inputs, compute, still_valid=lambda value: True):
             if value is None:
                 value = compute()
                 try:
-                    path.parent.mkdir(parents=True, exist_ok=True)
-                    partial = path.with_name(".%s.%d" % (filename, os.getpid()))
-                    partial.write_text(json.dumps({"inputs": repr(inputs), "value": value}))
-                    os.replace(partial, path)
+                    _atomic.write(path, json.dumps({"inputs": repr(inputs), "value": value}),
+                                  mkdir=True)
                 except OSError:
                     pass   # read-only build root: the answer is not kept
     _probed[str(path)] = value

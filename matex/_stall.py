@@ -25,14 +25,13 @@ ranks' states to be seen (the line then says "no answer" otherwise).
 
 import json
 import logging
-import os
 import signal
 import sys
 import threading
 import time
 from pathlib import Path
 
-from matex import _config
+from matex import _atomic, _config
 from matex.flight import _recorder
 
 log = logging.getLogger("matex")
@@ -181,11 +180,10 @@ class Watchdog(threading.Thread):
 
         posted = time.time()
         self.directory.mkdir(parents=True, exist_ok=True)
-        tmp = self.directory / (".%s.%d" % (REQUEST, os.getpid()))
-        tmp.write_text(json.dumps({"time": posted, "rank": self.rank, "seq": seq,
-                                   "comm": comm["comm"] if comm else None,
-                                   "job": _config.job_id()}))
-        os.replace(tmp, self.directory / REQUEST)
+        _atomic.write(self.directory / REQUEST,
+                      json.dumps({"time": posted, "rank": self.rank, "seq": seq,
+                                  "comm": comm["comm"] if comm else None,
+                                  "job": _config.job_id()}))
         self.answered = posted
         _recorder.dump(reason, self.directory)
         peers = [r for r in (comm["members"] if comm else []) if r != self.rank]

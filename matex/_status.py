@@ -30,7 +30,7 @@ import socket
 from collections.abc import Iterable, Mapping
 from typing import NamedTuple
 
-from matex import _config
+from matex import _atomic, _config
 
 _FAILED = "failed."      # failed.<world rank>: that rank failed
 _STARTED = "started."    # started.<world rank>: {"host", "pid"}
@@ -39,12 +39,7 @@ _READY = "ready."        # ready.<world rank>: {} once MPI has started there
 
 
 def _write(directory: str, name: str, text: str) -> str:
-    path = os.path.join(directory, name)
-    partial = os.path.join(directory, ".%s.%d" % (name, os.getpid()))
-    with open(partial, "w") as out:
-        out.write(text)
-    os.replace(partial, path)
-    return path
+    return _atomic.write(os.path.join(directory, name), text)
 
 
 def report_failure(rank: int, text: str, env: Mapping[str, str] | None = None) -> str | None:

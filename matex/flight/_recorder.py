@@ -15,7 +15,7 @@ import time
 import traceback
 from pathlib import Path
 
-from matex import _config
+from matex import _atomic, _config
 
 FORMAT = "matex-flight/2"   # /2: entries name their communicator (comm, comm_seq)
 KINDS = {1: "allreduce", 2: "fused allreduce", 3: "broadcast", 4: "allgather",
@@ -126,10 +126,7 @@ def dump(reason: str = "requested", directory: str | os.PathLike | None = None) 
         "stacks": stacks(),
     }
     path = directory / ("rank%d.json" % rank)
-    tmp = directory / (".rank%d.json.%d.tmp" % (rank, os.getpid()))
-    with open(tmp, "w") as f:
-        json.dump(record, f, indent=1)
-    os.replace(tmp, path)
+    _atomic.write(path, json.dumps(record, indent=1))
     _last_dump = record["time"]
     return path
 

@@ -47,7 +47,7 @@ from typing import Any, Callable, TypeVar
 
 import numpy as np
 
-from matex import _config, _faults, _recovery, _runtime
+from matex import _atomic, _config, _faults, _recovery, _runtime
 from matex._everywhere import on_every_rank
 
 WRITE_EVERY_VAR = _config.ELASTIC_WRITE_EVERY_VAR
@@ -143,11 +143,8 @@ class State:
         def write():
             if self._rank() != 0:
                 return
-            os.makedirs(os.path.dirname(path), exist_ok=True)
-            incoming = path + ".incoming"
-            with open(incoming, "wb") as f:
-                pickle.dump({"commits": self._commits, "state": self.committed()}, f)
-            os.replace(incoming, path)
+            _atomic.write(path, pickle.dumps({"commits": self._commits,
+                                              "state": self.committed()}), mkdir=True)
 
         on_every_rank(_runtime.control(), write, what="hvd.elastic: writing the commit to %s"
                       % path)

@@ -23,6 +23,8 @@ import logging
 import os
 import threading
 
+from matex import _atomic
+
 from matex._workgroups.machine import LOST, GroupWork
 
 log = logging.getLogger("matex.hpo")
@@ -57,13 +59,7 @@ def write_atomically(path: str, data: bytes):
 
 
 def _write_now(path: str, data: bytes):
-    directory = os.path.dirname(path)
-    if directory:
-        os.makedirs(directory, exist_ok=True)
-    tmp = "%s.incoming-%d" % (path, os.getpid())
-    with open(tmp, "wb") as f:
-        f.write(data)
-    os.replace(tmp, path)
+    _atomic.write(path, data, mkdir=True)
 
 
 @contextlib.contextmanager

@@ -13,6 +13,8 @@ from typing import TYPE_CHECKING, Sequence
 
 import numpy as np
 
+from matex import _atomic
+
 if TYPE_CHECKING:
     from matex.science._hessian import Density
 
@@ -23,11 +25,8 @@ def _save(figure, path: str) -> str:
     from matplotlib.backends.backend_agg import FigureCanvasAgg
 
     FigureCanvasAgg(figure)
-    directory = os.path.dirname(os.path.abspath(path))
-    os.makedirs(directory, exist_ok=True)
-    tmp = "%s.incoming-%d.png" % (path, os.getpid())
-    figure.savefig(tmp, format="png")
-    os.replace(tmp, path)
+    with _atomic.replacing(os.path.abspath(path), mkdir=True) as tmp:
+        figure.savefig(tmp, format="png")
     return path
 
 

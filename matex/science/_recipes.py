@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import subprocess
 import sys
 import time
@@ -36,6 +35,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Sequence
 
 import numpy as np
+
+from matex import _atomic
 
 if TYPE_CHECKING:
     import pandas as pd
@@ -208,10 +209,7 @@ def _worker_main(argv=None):
     args = parser.parse_args(argv)
     row = _worker(args)
     if row is not None:
-        tmp = args.json + ".tmp"
-        with open(tmp, "w") as f:
-            json.dump(row, f)
-        os.replace(tmp, args.json)
+        _atomic.write(args.json, json.dumps(row))
 
 
 # -- driver ------------------------------------------------------------------------------
