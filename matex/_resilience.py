@@ -52,16 +52,29 @@ def is_failure(error) -> bool:
 
     ``MPI_ERR_PROC_FAILED``/``MPI_ERR_REVOKED`` (``errors.is_rank_failure``);
     under ULFM also an MPI error of any other class (a MaTEx op's payload or an
-    ``MPI.Exception``) raised while one of MaTEx's communicators is revoked or
-    has a rank known failed: Open MPI's nonblocking collectives report such a
-    failure as ``MPI_ERR_OTHER`` when they find it starting a later round (see
-    the module doc). An MPI error with no failure in sight stays an error.
+    ``MPI.Exception``), or a pickled payload that did not unpickle (a peer gone
+    mid-transfer: ``UnpicklingError``, ``EOFError``), raised while one of MaTEx's
+    communicators is revoked or has a rank known failed: Open MPI's nonblocking
+    collectives report such a failure as ``MPI_ERR_OTHER`` when they find it
+    starting a later round (see the module doc). An MPI error with no failure in
+    sight stays an error.
     """
     if is_rank_failure(error):
         return True
-    if mpi_error_class(error) is None or mode() != "ulfm":
+    if mode() != "ulfm":
+        return False
+    if mpi_error_class(error) is None and not _is_torn_payload(error):
         return False
     return failure_known()
+
+
+def _is_torn_payload(error) -> bool:
+    """A pickled message that did not unpickle (``UnpicklingError``, ``EOFError``): under
+    ULFM a peer that died mid-transfer can leave such a payload instead of an MPI error;
+    it is a lost rank only when a failure is known (``is_failure``)."""
+    import pickle
+
+    return isinstance(error, (pickle.UnpicklingError, EOFError))
 
 
 def failure_known() -> bool:

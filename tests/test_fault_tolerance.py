@@ -341,6 +341,12 @@ def test_an_mpi_error_of_another_class_is_a_rank_failure_when_one_is_known(monke
         {"matex.mpi_error_class": str(MPI.ERR_OTHER).encode()})
     assert _resilience.is_failure(op_error) is expected
     assert _resilience.is_failure(MPI.Exception(MPI.ERR_OTHER)) is expected
+    # a torn pickled payload (a survivor once got "UnpicklingError" from allgather instead
+    # of an MPI error): a lost rank when a failure is known, like an MPI error
+    import pickle
+
+    assert _resilience.is_failure(pickle.UnpicklingError("invalid load key")) is expected
+    assert _resilience.is_failure(EOFError("Ran out of input")) is expected
     assert comm.failed.freed or comm.revoked
     # a mismatch or a plain error is never a lost rank; without ULFM nothing but the
     # failure classes is
