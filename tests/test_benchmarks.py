@@ -260,3 +260,15 @@ def test_small_models_driver(tmp_path):
         # fit on arrays traces the step Keras traces (static batch rows, float32 labels) plus
         # MaTEx's reductions: 1239 vs 1308 ops; 1460 when its batch rows were unknown
         assert rnn["matex"]["ops"] - rnn["keras"]["ops"] < 150, rnn
+
+
+def test_cpu_defaults_driver(tmp_path):
+    """Every configuration trained both models; the figures are rates, the reference 1.00."""
+    stdout, results = run_driver("cpu_defaults", tmp_path)
+    assert set(results) == {"plain", "tf-busy", "auto-busy", "auto-yield"}, results
+    rows = table_rows(stdout)
+    assert len(rows) == 8, stdout
+    for model, configuration, processes, rate, ratio in rows:
+        assert float(rate) > 0 and processes == ("1" if configuration == "plain" else "2")
+        if configuration == "plain":
+            assert ratio == "1.00", rows
