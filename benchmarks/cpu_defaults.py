@@ -12,11 +12,11 @@ RepeatVector, LSTM(128) decoder). Phases, alternating, ``--repeats`` times:
   patches: the reference, TensorFlow's default threads);
 - ``tf-busy``: 2 MaTEx ranks with TensorFlow's default threads
   (``MATEX_INTRA_OP_THREADS=tf``: each rank sizes its pool to every core) and
-  Open MPI's busy polling (its default);
-- ``auto-busy``: 2 ranks with MaTEx's default (each rank's share of the node's
-  cores) and busy polling;
-- ``auto-yield``: the same with ``--mca mpi_yield_when_idle 1`` (a waiting rank
-  yields its core).
+  Open MPI's busy polling (``MATEX_MPI_WAIT=poll``);
+- ``auto-busy``: 2 ranks with MaTEx's default threads (each rank's share of the
+  node's cores) and busy polling;
+- ``auto-yield``: MaTEx's defaults: those threads, and a waiting rank yields its
+  core (``mpi_yield_when_idle``).
 
 Figures: samples/s over all ranks (timed steps after two untimed epochs'
 first steps, the slower rank's wall time), and each against ``plain``.
@@ -30,10 +30,12 @@ PER_RANK_BATCH = 32
 MODELS = ("cnn", "addition_rnn")
 PHASES = {
     "plain": dict(nranks=1, mpi_args=[]),
-    "tf-busy": dict(nranks=2, mpi_args=["-x", "MATEX_INTRA_OP_THREADS=tf"]),
-    "auto-busy": dict(nranks=2, mpi_args=["-x", "MATEX_INTRA_OP_THREADS=auto"]),
+    "tf-busy": dict(nranks=2, mpi_args=["-x", "MATEX_INTRA_OP_THREADS=tf",
+                                        "-x", "MATEX_MPI_WAIT=poll"]),
+    "auto-busy": dict(nranks=2, mpi_args=["-x", "MATEX_INTRA_OP_THREADS=auto",
+                                          "-x", "MATEX_MPI_WAIT=poll"]),
     "auto-yield": dict(nranks=2, mpi_args=["-x", "MATEX_INTRA_OP_THREADS=auto",
-                                           "--mca", "mpi_yield_when_idle", "1"]),
+                                           "-x", "MATEX_MPI_WAIT=yield"]),
 }
 
 

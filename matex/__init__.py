@@ -34,6 +34,12 @@ def _self_check() -> bool:
 if not _self_check():
     _compat_module.require_tensorflow()
 
+# before MPI starts (mpi4py.MPI is imported later, by MaTEx or the script): a rank that
+# waits in MPI yields its core (matex._cpu; MATEX_MPI_WAIT=poll keeps Open MPI's polling)
+from matex import _cpu as _cpu_module  # noqa: E402
+
+_cpu_module.set_mpi_wait_policy()
+
 if _config.ft_requested():
     # Under ULFM (mpiexec --with-ft ulfm) MPI_Finalize can wait forever on the
     # failure detector once a rank has died: skip it, as a crashed rank would.

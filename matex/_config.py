@@ -297,6 +297,25 @@ _register("MATEX_INTRA_OP_THREADS_SET", "", """The `TF_NUM_INTRAOP_THREADS` MaTE
     rank, so that a process the rank starts tells it from one the user set.""", "internal")
 
 
+_register("MATEX_MPI_WAIT", "yield", """How a rank waits in MPI (Open MPI): `yield` (its core
+    goes to whatever else wants it, `mpi_yield_when_idle`) or `poll` (Open MPI's busy polling:
+    lowest latency when every rank has a core to itself and nothing else runs). Set before MPI
+    starts; `OMPI_MCA_mpi_yield_when_idle` set by you wins.""")
+
+
+_register("MATEX_MPI_WAIT_SET", "", """The `OMPI_MCA_mpi_yield_when_idle` MaTEx set, so that a
+    process started from a MaTEx process tells it from one the user set.""", "internal")
+
+
+def mpi_wait() -> str:
+    """``MATEX_MPI_WAIT``: ``"yield"`` (the default) or ``"poll"``."""
+    text = _get("MATEX_MPI_WAIT").strip().lower() or "yield"
+    if text not in ("yield", "poll"):
+        raise ValueError("MATEX_MPI_WAIT must be yield or poll, not %r"
+                         % _get("MATEX_MPI_WAIT"))
+    return text
+
+
 def intra_op_threads():
     """``MATEX_INTRA_OP_THREADS``: ``"auto"``, ``"tf"`` or a whole number >= 1."""
     text = _get("MATEX_INTRA_OP_THREADS").strip().lower()

@@ -87,9 +87,9 @@ def init(comm: MPI.Intracomm | None = None) -> None:
             MPI.COMM_WORLD.Set_errhandler(MPI.ERRORS_RETURN)
             _wait_for_every_rank(MPI.COMM_WORLD)
             _set_comm(MPI.COMM_WORLD.Dup())
-        from matex import _threads
+        from matex import _cpu
 
-        _threads.size_pools(_local)   # before TensorFlow makes its thread pools
+        _cpu.size_pools(_local)   # before TensorFlow makes its thread pools
 
 
 _THREAD_LEVELS = ("SINGLE", "FUNNELED", "SERIALIZED", "MULTIPLE")

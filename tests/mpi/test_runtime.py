@@ -1,5 +1,5 @@
 """The communicator state: control traffic apart from data, replaced communicators freed;
-TensorFlow's compute threads sized to each rank's share of its node."""
+the CPU defaults per rank (compute threads, MPI's wait policy)."""
 
 import os
 
@@ -7,7 +7,7 @@ import pytest
 from mpi4py import MPI
 
 import matex
-from matex import _runtime, _threads
+from matex import _cpu, _runtime
 
 
 def test_tensorflow_threads_are_this_ranks_share_of_the_nodes_cores():
@@ -23,12 +23,12 @@ def test_tensorflow_threads_are_this_ranks_share_of_the_nodes_cores():
 
 def test_a_rank_bound_to_its_own_cores_gets_them_and_shared_cores_are_split():
     own = [frozenset({0, 1}), frozenset({2, 3})]
-    assert _threads.share_of(own[0], own) == 2                     # bound: its own cores
+    assert _cpu.share_of(own[0], own) == 2                     # bound: its own cores
     every = [frozenset(range(8))] * 3
-    assert _threads.share_of(every[0], every) == 2                 # 8 cores, 3 ranks: 2
-    assert _threads.share_of(frozenset({0}), [frozenset({0})] * 4) == 1   # never 0
+    assert _cpu.share_of(every[0], every) == 2                 # 8 cores, 3 ranks: 2
+    assert _cpu.share_of(frozenset({0}), [frozenset({0})] * 4) == 1   # never 0
     mixed = [frozenset({0, 1, 2, 3}), frozenset({2, 3})]           # 0, 1 alone; 2, 3 halved
-    assert _threads.share_of(mixed[0], mixed) == 3
+    assert _cpu.share_of(mixed[0], mixed) == 3
 
 
 class _Local:
@@ -44,24 +44,24 @@ class _Local:
 
 def test_the_users_thread_choice_stands(monkeypatch):
     node = _Local([list(range(4))] * 2)
-    monkeypatch.setattr(_threads, "_affinity", lambda: frozenset(range(4)))
+    monkeypatch.setattr(_cpu, "_affinity", lambda: frozenset(range(4)))
     for name in ("TF_NUM_INTRAOP_THREADS", "MATEX_INTRA_OP_THREADS", "MATEX_INTRA_OP_THREADS_SET"):
         monkeypatch.setenv(name, "")   # recorded, so that the test's values are undone
         monkeypatch.delenv(name)
-    assert _threads.size_pools(node) == 2 and os.environ["TF_NUM_INTRAOP_THREADS"] == "2"
+    assert _cpu.size_pools(node) == 2 and os.environ["TF_NUM_INTRAOP_THREADS"] == "2"
     monkeypatch.setenv("TF_NUM_INTRAOP_THREADS", "3")               # TensorFlow's own setting
-    assert _threads.size_pools(node) is None and os.environ["TF_NUM_INTRAOP_THREADS"] == "3"
+    assert _cpu.size_pools(node) is None and os.environ["TF_NUM_INTRAOP_THREADS"] == "3"
     monkeypatch.delenv("TF_NUM_INTRAOP_THREADS")
     monkeypatch.setenv("MATEX_INTRA_OP_THREADS", "tf")             # TensorFlow's default
-    assert _threads.size_pools(node) is None and "TF_NUM_INTRAOP_THREADS" not in os.environ
+    assert _cpu.size_pools(node) is None and "TF_NUM_INTRAOP_THREADS" not in os.environ
     monkeypatch.setenv("MATEX_INTRA_OP_THREADS", "5")
-    assert _threads.size_pools(node) == 5 and os.environ["TF_NUM_INTRAOP_THREADS"] == "5"
+    assert _cpu.size_pools(node) == 5 and os.environ["TF_NUM_INTRAOP_THREADS"] == "5"
     monkeypatch.setenv("TF_NUM_INTRAOP_THREADS", "5")               # inherited from a rank:
     monkeypatch.setenv("MATEX_INTRA_OP_THREADS", "auto")           # sized again
-    assert _threads.size_pools(node) == 2 and os.environ["TF_NUM_INTRAOP_THREADS"] == "2"
+    assert _cpu.size_pools(node) == 2 and os.environ["TF_NUM_INTRAOP_THREADS"] == "2"
     monkeypatch.setenv("MATEX_INTRA_OP_THREADS", "0")
     with pytest.raises(ValueError, match="MATEX_INTRA_OP_THREADS"):
-        _threads.size_pools(node)
+        _cpu.size_pools(node)
 
 
 def test_control_communicator_is_a_separate_duplicate_of_the_data_one():
@@ -149,3 +149,24 @@ def test_monitor_restarts_its_exchanges_alike_after_a_recovery():
     assert logs["matex_slowest_rank"] in range(size)
     assert logs["matex_samples_per_s"] > 0
     assert len(set(_runtime.control().allgather(cb.next_exchange))) == 1
+
+
+def test_a_waiting_rank_yields_its_core_unless_told_otherwise(monkeypatch):
+    # this rank started MPI yielding (``import matex`` set it, or the harness's did)
+    assert os.environ.get("OMPI_MCA_mpi_yield_when_idle") == "1"
+    for name in ("OMPI_MCA_mpi_yield_when_idle", "MATEX_MPI_WAIT", "MATEX_MPI_WAIT_SET"):
+        monkeypatch.setenv(name, "")   # recorded, so that the test's values are undone
+        monkeypatch.delenv(name)
+    assert _cpu.set_mpi_wait_policy() == "1"
+    assert os.environ["OMPI_MCA_mpi_yield_when_idle"] == "1"
+    monkeypatch.setenv("MATEX_MPI_WAIT", "poll")       # inherited from MaTEx: taken back
+    assert _cpu.set_mpi_wait_policy() is None
+    assert "OMPI_MCA_mpi_yield_when_idle" not in os.environ
+    monkeypatch.setenv("OMPI_MCA_mpi_yield_when_idle", "0")   # the user's: stands
+    monkeypatch.setenv("MATEX_MPI_WAIT", "yield")
+    assert _cpu.set_mpi_wait_policy() is None
+    assert os.environ["OMPI_MCA_mpi_yield_when_idle"] == "0"
+    monkeypatch.setenv("MATEX_MPI_WAIT", "spin")
+    monkeypatch.delenv("OMPI_MCA_mpi_yield_when_idle")
+    with pytest.raises(ValueError, match="MATEX_MPI_WAIT"):
+        _cpu.set_mpi_wait_policy()

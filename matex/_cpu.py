@@ -1,4 +1,6 @@
-"""TensorFlow's CPU compute threads sized to the cores each rank has on its node.
+"""CPU defaults per rank: TensorFlow's compute threads and MPI's wait policy.
+
+**Compute threads.**
 
 TensorFlow sizes its intra-op pool to every core the process may run on. Under
 ``mpiexec`` several ranks share a node, and unbound (``matexrun``'s default) each
@@ -29,6 +31,9 @@ import os
 from matex import _config
 
 log = logging.getLogger("matex")
+
+YIELD_VAR = "OMPI_MCA_mpi_yield_when_idle"   # Open MPI's wait policy, read when MPI starts
+SET_WAIT_VAR = "MATEX_MPI_WAIT_SET"           # the value MaTEx set, inherited by children
 
 TF_INTRA_OP_VAR = "TF_NUM_INTRAOP_THREADS"
 SET_BY_MATEX_VAR = "MATEX_INTRA_OP_THREADS_SET"   # the value MaTEx set, inherited by children
@@ -68,3 +73,29 @@ def size_pools(local) -> int | None:
     log.debug("matex: %s=%d (%d cores, %d ranks on this node)", TF_INTRA_OP_VAR, threads,
               len(mine), len(everyones))
     return threads
+
+
+def set_mpi_wait_policy() -> str | None:
+    """Make a rank that waits in MPI yield its core (Open MPI's ``mpi_yield_when_idle``),
+    before MPI starts; returns the value now in force, or None when it is the user's or
+    Open MPI's default.
+
+    Open MPI busy-polls by default unless the node is oversubscribed. A rank
+    waiting for its peer then burns a core the peer's computation (its
+    TensorFlow threads, MaTEx's progress thread) may need: measured in
+    ``benchmarks/cpu_defaults.py``. ``MATEX_MPI_WAIT=poll`` keeps Open MPI's
+    busy polling; a ``OMPI_MCA_mpi_yield_when_idle`` of the user's (or
+    ``--mca mpi_yield_when_idle``) wins. Effective only if MPI has not started
+    yet in this process. Processes started from this one inherit the variable,
+    marked as MaTEx's (``MATEX_MPI_WAIT_SET``) so that their own choice still
+    applies.
+    """
+    current = os.environ.get(YIELD_VAR, "").strip()
+    if current and current != _config.variable(SET_WAIT_VAR):
+        return None   # the user's
+    if _config.mpi_wait() == "poll":
+        os.environ.pop(YIELD_VAR, None)
+        os.environ.pop(SET_WAIT_VAR, None)
+        return None
+    os.environ[YIELD_VAR] = os.environ[SET_WAIT_VAR] = "1"
+    return "1"
