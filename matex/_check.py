@@ -374,9 +374,9 @@ def _guard(name: str, fn: Callable[[], Item | list[Item]]) -> list[Item]:
 
 def collect(build: bool = False) -> list[Item]:
     """Every item, in report order. Subprocesses first, MPI initialised last."""
-    from matex.__main__ import _quiet_tensorflow_startup
+    from matex import _quiet
 
-    _quiet_tensorflow_startup()   # TensorFlow's start-up notices are no finding
+    _quiet.quiet_tensorflow_startup()   # TensorFlow's start-up notices are no finding
     items = {}
     items["tf"] = _guard("TensorFlow", check_tensorflow)
     items["keras"] = _guard("Keras", check_keras)

@@ -174,8 +174,8 @@ def test_the_startup_filter_drops_only_info_notices():
     # fd-level writes inside the filter, as TensorFlow's C++ makes them while it loads
     code = (
         "import os, sys\n"
-        "from matex.__main__ import _without_startup_notices\n"
-        "with _without_startup_notices():\n"
+        "from matex._quiet import without_startup_notices\n"
+        "with without_startup_notices():\n"
         "    os.write(2, b'WARNING: All log messages before absl::InitializeLog() is called "
         "are written to STDERR\\n')\n"
         "    os.write(2, b'I0000 00:00:1795507254.554787    2299 port.cc:153] oneDNN custom "
@@ -197,8 +197,8 @@ def test_a_fatal_line_before_an_abort_in_the_filter_reaches_stderr():
     the line was held in the filter's pipe and lost with the process; it now passes."""
     code = (
         "import os\n"
-        "from matex.__main__ import _without_startup_notices\n"
-        "with _without_startup_notices():\n"
+        "from matex._quiet import without_startup_notices\n"
+        "with without_startup_notices():\n"
         "    os.write(2, b'I0000 00:00:1795507254.554787    2299 port.cc:153] oneDNN custom "
         "operations are on.\\n')\n"
         "    os.write(2, b'F0000 00:00:1795507254.6 2299 cpu_feature_guard.cc:1] The "
