@@ -495,12 +495,12 @@ class PipelineModel(PipelineExecution, PipelineCheckpoints, keras.Model):
         ``ParallelConv2D``) the ordinary ``Dense`` / ``Conv2D`` they split, their
         shards concatenated over the tensor group, so the result is plain Keras.
         Data replica 0 provides the weights (the replicas are equal), streamed to
-        ``root`` one weight at a time (``_tensor.stream_gather``, shared with
+        ``root`` one weight at a time (``_streamgather.stream_gather``, shared with
         ``matex.parallel.gather_model``): root holds the model it returns plus one
         weight, the others only their own pieces. An error on any rank is a
         ValueError on every rank, naming the failing rank.
         """
-        from matex.parallel import _tensor
+        from matex.parallel._streamgather import stream_gather
 
         self._require_built()
         L = self._layout
@@ -514,7 +514,7 @@ class PipelineModel(PipelineExecution, PipelineCheckpoints, keras.Model):
         def sink(key, value):
             whole.get_layer(key[0]).weights[key[1]].assign(value)
 
-        _tensor.stream_gather(L.control, root, offers, sink, what)
+        stream_gather(L.control, root, offers, sink, what)
         return whole
 
     def _offers(self):

@@ -1,7 +1,7 @@
 """Write a whole model as one plain ``.keras`` file while its weights arrive, one at a time.
 
 ``save_model`` and ``PipelineModel.save`` gather a split model's weights on the
-writing rank one weight at a time (``_tensor.stream_gather``). Holding the
+writing rank one weight at a time (``_streamgather.stream_gather``). Holding the
 whole plain model there to call ``keras.Model.save`` would cost the model's
 size (plus its initialisers). Instead the writer builds the plain model
 weightless (``_compat.weightless_build``: variables with a shape and dtype, no
@@ -161,7 +161,7 @@ def save_streamed(comm, root: int, build, offers, variable_of, filepath, overwri
     """Collective over ``comm``: ``root`` writes ``filepath`` as the weights stream in.
 
     ``build()`` (root only, weightless) makes the plain model; ``offers`` are this
-    rank's pieces (``_tensor.weight_offers``); ``variable_of(model, key)`` is the
+    rank's pieces (``weight_offers`` of ``_tensor``); ``variable_of(model, key)`` is the
     plain model's variable a streamed key fills. A failure to build is a
     ValueError on every rank, a failure to open or write the file a
     ``RemoteError`` (``MatexError``, naming root) on every rank, before or after
@@ -171,7 +171,7 @@ def save_streamed(comm, root: int, build, offers, variable_of, filepath, overwri
     compiled and never trained).
     """
     from matex._everywhere import RemoteError, on_every_rank
-    from matex.parallel import _tensor
+    from matex.parallel._streamgather import stream_gather
 
     me = comm.Get_rank()
     saving = "matex.parallel: saving %s" % (filepath,)
@@ -199,7 +199,7 @@ def save_streamed(comm, root: int, build, offers, variable_of, filepath, overwri
     writer = on_every_rank(comm, lambda: StreamedKerasFile(whole, filepath, overwrite)
                            if me == root else None, error_type=RemoteError, what=saving)
     try:
-        _tensor.stream_gather(
+        stream_gather(
             comm, root, offers, None, what,
             part_sink=lambda key, axis, offset, value: writer.write(
                 variable_of(whole, key), axis, offset, value))
