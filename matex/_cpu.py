@@ -36,7 +36,7 @@ YIELD_VAR = "OMPI_MCA_mpi_yield_when_idle"   # Open MPI's wait policy, read when
 SET_WAIT_VAR = "MATEX_MPI_WAIT_SET"           # the value MaTEx set, inherited by children
 
 TF_INTRA_OP_VAR = "TF_NUM_INTRAOP_THREADS"
-SET_BY_MATEX_VAR = "MATEX_INTRA_OP_THREADS_SET"   # the value MaTEx set, inherited by children
+THREADS_MARK_VAR = "MATEX_INTRA_OP_THREADS_SET"   # the value MaTEx set, inherited by children
 
 
 def _affinity() -> frozenset:
@@ -57,7 +57,7 @@ def size_pools(local) -> int | None:
     ranks); returns the number set, or None when the user's choice stands."""
     choice = _config.intra_op_threads()
     user_set = os.environ.get(TF_INTRA_OP_VAR, "").strip()
-    if user_set and user_set == _config.variable(SET_BY_MATEX_VAR):
+    if user_set and user_set == _config.variable(THREADS_MARK_VAR):
         user_set = ""   # a MaTEx rank's setting that a process it started inherited
     mine = _affinity()
     # every rank takes part in the allgather, whatever its own choice
@@ -69,7 +69,7 @@ def size_pools(local) -> int | None:
     if user_set or choice == "tf":
         return None
     threads = choice if isinstance(choice, int) else share_of(mine, everyones)
-    os.environ[TF_INTRA_OP_VAR] = os.environ[SET_BY_MATEX_VAR] = str(threads)
+    os.environ[TF_INTRA_OP_VAR] = os.environ[THREADS_MARK_VAR] = str(threads)
     log.debug("matex: %s=%d (%d cores, %d ranks on this node)", TF_INTRA_OP_VAR, threads,
               len(mine), len(everyones))
     return threads
