@@ -95,7 +95,7 @@ RELAUNCHED_FROM_VAR = _register("MATEX_RELAUNCHED_FROM", "", """Set by `matexrun
 for _name, _default, _meaning in (
         ("MATEX_TEST_REPORT_DIR", "", "Where per-rank test suites leave their reports."),
         ("MATEX_TEST_TIMEOUT", "180", "Seconds a per-rank test may run."),
-        ("MATEX_TEST_WORKERS", "1", "`make test`'s pytest-xdist workers (the Makefile's; 1: none)."),
+        ("MATEX_TEST_WORKERS", "1", "`make test`'s pytest-xdist workers (1: none)."),
         ("MATEX_TEST_NETNS", "", "`0` skips the network-namespace cluster tests."),
         ("MATEX_TEST_SYSMPI", "", "`0` skips the tests against the system's MPI libraries."),
         ("MATEX_TEST_SEARCH_AGAIN", "", "Test script: run the search again with N trials."),
