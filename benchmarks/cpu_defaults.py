@@ -25,6 +25,7 @@ first steps, the slower rank's wall time), and each against ``plain``.
 import time
 
 import _common
+import small_models
 
 PER_RANK_BATCH = 32
 MODELS = ("cnn", "addition_rnn")
@@ -40,7 +41,8 @@ PHASES = {
 
 
 def build(keras, np, name, rows):
-    """The compiled model ``name`` and ``rows`` rows of synthetic data for it."""
+    """The compiled model ``name`` and ``rows`` rows of synthetic data for it
+    (``addition_rnn``: ``small_models``' own)."""
     rng = np.random.default_rng(0)
     if name == "cnn":
         model = keras.Sequential([
@@ -57,19 +59,8 @@ def build(keras, np, name, rows):
         model.compile(loss="sparse_categorical_crossentropy", optimizer="adam",
                       metrics=["accuracy"])
         return model, x, y
-    digits, chars = 3, 12
-    maxlen = 2 * digits + 1
-    model = keras.Sequential([
-        keras.Input((maxlen, chars)),
-        keras.layers.LSTM(128),
-        keras.layers.RepeatVector(digits + 1),
-        keras.layers.LSTM(128, return_sequences=True),
-        keras.layers.TimeDistributed(keras.layers.Dense(chars, activation="softmax")),
-    ])
-    model.compile(loss="categorical_crossentropy", optimizer="adam", metrics=["accuracy"])
-    x = rng.integers(0, 2, (rows, maxlen, chars)).astype("float32")
-    y = keras.utils.to_categorical(rng.integers(0, chars, (rows, digits + 1)), chars)
-    return model, x, y
+    model, x, y = small_models.build(keras, np, name, rows, seq_len=None)   # addition_rnn
+    return model, x.astype("float32"), y
 
 
 def worker(args):
