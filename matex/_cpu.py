@@ -39,6 +39,18 @@ TF_INTRA_OP_VAR = "TF_NUM_INTRAOP_THREADS"
 THREADS_MARK_VAR = "MATEX_INTRA_OP_THREADS_SET"   # the value MaTEx set, inherited by children
 
 
+def _users(var: str, mark_var: str) -> bool:
+    """Whether ``var`` holds a value of the user's: set, and not the one MaTEx marked in
+    ``mark_var`` (a MaTEx process's setting that a process it started inherited)."""
+    current = os.environ.get(var, "").strip()
+    return bool(current) and current != _config.variable(mark_var)
+
+
+def _set_marked(var: str, mark_var: str, value: str) -> None:
+    """Set ``var`` to ``value`` and mark it as MaTEx's (see ``_users``)."""
+    os.environ[var] = os.environ[mark_var] = value
+
+
 def _affinity() -> frozenset:
     if hasattr(os, "sched_getaffinity"):
         return frozenset(os.sched_getaffinity(0))
@@ -56,9 +68,7 @@ def size_pools(local) -> int | None:
     """Set ``TF_NUM_INTRAOP_THREADS`` for this rank (collective over ``local``, the node's
     ranks); returns the number set, or None when the user's choice stands."""
     choice = _config.intra_op_threads()
-    user_set = os.environ.get(TF_INTRA_OP_VAR, "").strip()
-    if user_set and user_set == _config.variable(THREADS_MARK_VAR):
-        user_set = ""   # a MaTEx rank's setting that a process it started inherited
+    user_set = _users(TF_INTRA_OP_VAR, THREADS_MARK_VAR)
     mine = _affinity()
     # every rank takes part in the allgather, whatever its own choice
     try:
@@ -69,7 +79,7 @@ def size_pools(local) -> int | None:
     if user_set or choice == "tf":
         return None
     threads = choice if isinstance(choice, int) else share_of(mine, everyones)
-    os.environ[TF_INTRA_OP_VAR] = os.environ[THREADS_MARK_VAR] = str(threads)
+    _set_marked(TF_INTRA_OP_VAR, THREADS_MARK_VAR, str(threads))
     log.debug("matex: %s=%d (%d cores, %d ranks on this node)", TF_INTRA_OP_VAR, threads,
               len(mine), len(everyones))
     return threads
@@ -90,12 +100,11 @@ def set_mpi_wait_policy() -> str | None:
     marked as MaTEx's (``MATEX_MPI_WAIT_SET``) so that their own choice still
     applies.
     """
-    current = os.environ.get(YIELD_VAR, "").strip()
-    if current and current != _config.variable(SET_WAIT_VAR):
-        return None   # the user's
+    if _users(YIELD_VAR, SET_WAIT_VAR):
+        return None
     if _config.mpi_wait() == "poll":
         os.environ.pop(YIELD_VAR, None)
         os.environ.pop(SET_WAIT_VAR, None)
         return None
-    os.environ[YIELD_VAR] = os.environ[SET_WAIT_VAR] = "1"
+    _set_marked(YIELD_VAR, SET_WAIT_VAR, "1")
     return "1"

@@ -55,7 +55,7 @@ def _tier(item):
     if fixtures & {"two_hosts", "netns"}:
         return "netns"
     module = getattr(item, "module", None)
-    name = getattr(module, "__name__", "").rsplit(".", 1)[-1]
+    name = _module_name(item)
     if getattr(module, "TIER", None) in ("ulfm", "chaos"):
         return module.TIER
     if name in _ULFM_MODULES:
