@@ -48,6 +48,9 @@ REQUIRED = (
     ("keras.src.utils.file_utils", "copy"),
     ("keras.src.utils.file_utils", "remove"),
     ("keras.src.models.model", "Model._flatten_layers"),
+    ("keras.src.trainers.trainer", "Trainer._flatten_metrics_in_order"),
+    ("keras.src.backend.tensorflow.trainer", "TensorFlowTrainer.train_on_batch"),
+    ("keras.src.backend.tensorflow.trainer", "TensorFlowTrainer.test_on_batch"),
     ("keras.src.callbacks.backup_and_restore", "BackupAndRestore._save_model"),
     ("keras.src.backend.tensorflow.nn", "_compute_moments_sync"),
     # the moments a BatchNormalization normalises with (hvd.SyncBatchNormalization's own)
@@ -347,6 +350,11 @@ def file_utils():
 def flatten_layers(model):
     """Every layer inside ``model``, nested ones included."""
     return model._flatten_layers()
+
+
+def flatten_metrics_in_order(model, logs):
+    """``logs`` as the list ``train_on_batch``/``test_on_batch`` return without return_dict."""
+    return model._flatten_metrics_in_order(logs)
 
 
 def symbolic_build(model, data_batch):

@@ -413,6 +413,16 @@ def monitor() -> bool:
     return _get("MATEX_MONITOR").strip().lower() in ("1", "true", "yes", "on")
 
 
+_register("MATEX_METRICS_EVERY", "10", """Batches between the exact global metrics `fit`'s
+    and `evaluate`'s progress bar shows (one small allreduce each time; the epoch's figures
+    are always exact). A callback that reads every batch's logs gets them every batch.""")
+
+
+def metrics_every() -> int:
+    """``MATEX_METRICS_EVERY``: batches between the progress bar's global metrics (10)."""
+    return _number("MATEX_METRICS_EVERY", 10, int, 1)
+
+
 def monitor_interval() -> float:
     """``MATEX_MONITOR_INTERVAL``: seconds between the monitor's lines (default 10)."""
     return _number("MATEX_MONITOR_INTERVAL", 10.0, float, 0.001)

@@ -230,6 +230,8 @@ def fit(original):
         step_begin = _StepBegin(states if ft else None)
         _announce(size, ft)
         verbose, epochs = a["verbose"], a["epochs"]
+        # the script's callbacks decide, the same on every rank
+        global_logs = metrics.GlobalLogs(metrics.batch_log_interval(callbacks, verbose))
         first_iteration = _iterations(self)
         per_epoch = a["steps_per_epoch"]
         start_epoch = a["initial_epoch"]
@@ -275,8 +277,8 @@ def fit(original):
                 a["epochs"] = epoch + 1 if step else epochs
                 a["verbose"] = quiet(verbose)
                 a["callbacks"] = rank0_callbacks(
-                    [BroadcastGlobalVariablesCallback(0), step_begin, AverageMovingStatistics()]
-                    + train.callbacks() + observers + callbacks)
+                    [global_logs, BroadcastGlobalVariablesCallback(0), step_begin,
+                     AverageMovingStatistics()] + train.callbacks() + observers + callbacks)
                 # Training moved on since fit began (a recovery, or the rest of an
                 # epoch resumed mid-way): the state is newer than any checkpoint, so
                 # backup callbacks must not restore one (and Keras keeps the epoch a
@@ -284,7 +286,8 @@ def fit(original):
                 checkpoint.suppress_restore(self, _iterations(self) != first_iteration)
                 _compat.set_initial_epoch(self, None)
                 try:
-                    histories.append(call(original, bound))
+                    with metrics.lazy_reduction():
+                        histories.append(call(original, bound))
                 except tf.errors.InvalidArgumentError as exc:
                     clear = _check_equal_steps(exc, step_begin)
                     if clear is exc:

@@ -8,11 +8,12 @@ iterator ``fit`` cached for the old ranks).
 
 import functools
 
+import keras
 import numpy as np
 import tensorflow as tf
 
 from matex import _compat, _faults, _recovery, _runtime, _batch_slicing
-from matex._keras import inputs
+from matex._keras import inputs, metrics
 from matex._keras.calls import bind, call
 from matex._keras.output import explicit, quiet, rank0_callbacks
 
@@ -25,7 +26,9 @@ def evaluate(original):
         bound = bind(original, self, *args, **kwargs)
         a = bound.arguments
         data = (a["x"], a["y"], a["sample_weight"], a["batch_size"] or 32)
-        callbacks = a["callbacks"]
+        callbacks, verbose = a["callbacks"], a["verbose"]
+        global_logs = metrics.GlobalLogs(metrics.batch_log_interval(
+            callbacks if isinstance(callbacks, (list, tuple)) else [], verbose))
         attempts = []
 
         def body():
@@ -37,9 +40,12 @@ def evaluate(original):
             attempts.append(1)
             a["x"], a["y"], a["sample_weight"], a["batch_size"] = inputs.shard_input(
                 *data, False, 0)
-            a["verbose"] = quiet(a["verbose"])
+            a["verbose"] = quiet(verbose)
             a["callbacks"] = rank0_callbacks(callbacks)
-            return call(original, bound)
+            if not isinstance(callbacks, keras.callbacks.CallbackList):   # fit's has its own
+                a["callbacks"] = [global_logs] + list(a["callbacks"] or [])
+            with metrics.lazy_reduction():
+                return call(original, bound)
 
         return _recovery.run(body, [_recovery.model_state(self, track_steps=False)],
                              callbacks=callbacks)

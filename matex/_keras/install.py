@@ -38,6 +38,8 @@ def install():
         patch(tf_trainer, "fit", fit.fit)
         patch(tf_trainer, "evaluate", inference.evaluate)
         patch(tf_trainer, "predict", inference.predict)
+        patch(tf_trainer, "train_on_batch", metrics.on_batch)
+        patch(tf_trainer, "test_on_batch", metrics.on_batch)
         patch(tf_trainer, "train_step", optimizers.train_step_wrapper)
         patch(_compat.base_optimizer_class(), "apply", optimizers.apply_wrapper)
         variable = _compat.keras_variable_class()

@@ -294,7 +294,10 @@ def test_mixed_precision_reduces_gradients_once_per_step(monkeypatch, wrapped_by
         m.fit(x, x.sum(1, keepdims=True), batch_size=8, epochs=1, verbose=0, shuffle=False)
     finally:
         keras.mixed_precision.set_global_policy("float32")
-    assert reductions == [4, 4], reductions   # 2 steps, 4 gradients each, once
+    # 2 steps, 4 gradients each, once; compile's fit weights them by the rows, whose
+    # count rides in the same fused allreduce
+    expected = 4 + (wrapped_by == "compile")
+    assert reductions == [expected, expected], reductions
     assert all_equal_bytes([v.numpy() for v in m.variables])
 
 
@@ -420,3 +423,88 @@ def test_jit_compiled_fit_reports_exact_global_metrics():
         assert gather(histories[jit]["accuracy"]) == [histories[jit]["accuracy"]] * N
     np.testing.assert_allclose(histories[True]["accuracy"], histories[False]["accuracy"])
     np.testing.assert_allclose(histories[True]["loss"], histories[False]["loss"], rtol=1e-5)
+
+
+def _frozen_classifier():
+    """A classifier that learning rate 0 keeps as it is: its fit metrics are those of its
+    initial weights over the data seen, so one process's values are known exactly."""
+    keras.utils.set_random_seed(11)
+    m = keras.Sequential([keras.Input((4,)), keras.layers.Dense(8, activation="relu"),
+                          keras.layers.Dense(2)])
+    m.compile(keras.optimizers.SGD(0.0),
+              keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+              metrics=["accuracy"])
+    return m
+
+
+def _frozen_data(rows):
+    rng = np.random.default_rng(7)
+    x = rng.normal(size=(rows, 4)).astype("float32")
+    y = (x[:, 0] > x[:, 1]).astype("int64")
+    return x, y
+
+
+def _one_process(m, x, y):
+    """Per-sample loss and correctness of ``m`` on every row (no collective)."""
+    logits = m(x, training=False).numpy().astype("float64")
+    shifted = logits - logits.max(1, keepdims=True)
+    loss = np.log(np.exp(shifted).sum(1)) - shifted[np.arange(len(y)), y]
+    return loss, (logits.argmax(1) == y).astype("float64")
+
+
+def test_fit_makes_one_collective_per_step_with_exact_global_metrics():
+    """The rows count rides in the gradients' fused allreduce and the metrics are summed
+    when read (each epoch's end), so a training step makes one collective. Fits of 4 and
+    8 steps per epoch differ by 4 collectives per epoch, every one a fused allreduce of
+    the gradients and the rows; the epoch's metrics are one process's over the global
+    data, on every rank. Before: 3 per step (rows, gradients, metrics)."""
+    from matex import _native
+
+    core = _native.core()
+    batch = 6 * N   # the global batch: 6 rows per rank
+    m = _frozen_classifier()
+    m.fit(*_frozen_data(batch), batch_size=batch, epochs=1, verbose=0)   # first-step sync
+    counts, histories = {}, {}
+    for steps in (4, 8):
+        x, y = _frozen_data(steps * batch)
+        before = core.flight_sequence()
+        histories[steps] = m.fit(x, y, batch_size=batch, epochs=2, shuffle=False,
+                                 verbose=0).history
+        counts[steps] = core.flight_sequence() - before
+        fused = [e for e in core.flight_entries() if e["seq"] > before and e["kind"] == 2
+                 and e["num_tensors"] == len(m.trainable_variables) + 1]
+        assert len(fused) == 2 * steps, (steps, len(fused))   # gradients + rows, per step
+        loss, correct = _one_process(m, x, y)
+        for epoch in range(2):
+            np.testing.assert_allclose(histories[steps]["loss"][epoch], loss.mean(), rtol=1e-5)
+            np.testing.assert_allclose(histories[steps]["accuracy"][epoch], correct.mean(),
+                                       rtol=1e-6)
+    assert counts[8] - counts[4] == 2 * 4, counts   # 2 epochs x 4 more steps, one each
+    assert gather(histories[8]) == [histories[8]] * N
+
+
+class _BatchLogs(keras.callbacks.Callback):
+    def __init__(self):
+        super().__init__()
+        self.seen = []
+
+    def on_train_batch_end(self, batch, logs=None):
+        self.seen.append((logs["loss"], logs["accuracy"]))
+
+
+def test_a_callback_reading_batch_logs_gets_the_global_running_metrics_every_batch():
+    """A script's callback with a batch-end hook reads every batch's logs: each carries
+    the running metrics over the global batches so far (one process's), on every rank,
+    though the steps return local values. The progress bar's interval does not apply."""
+    batch = 6 * N
+    m = _frozen_classifier()
+    x, y = _frozen_data(5 * batch)
+    reader = _BatchLogs()
+    m.fit(x, y, batch_size=batch, epochs=1, shuffle=False, verbose=0, callbacks=[reader])
+    loss, correct = _one_process(m, x, y)
+    assert len(reader.seen) == 5
+    for k, (seen_loss, seen_accuracy) in enumerate(reader.seen):
+        rows = (k + 1) * batch
+        np.testing.assert_allclose(seen_loss, loss[:rows].mean(), rtol=1e-5)
+        np.testing.assert_allclose(seen_accuracy, correct[:rows].mean(), rtol=1e-6)
+    assert gather(reader.seen) == [reader.seen] * N
