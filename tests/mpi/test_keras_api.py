@@ -481,6 +481,17 @@ def test_fit_makes_one_collective_per_step_with_exact_global_metrics():
                                        rtol=1e-6)
     assert counts[8] - counts[4] == 2 * 4, counts   # 2 epochs x 4 more steps, one each
     assert gather(histories[8]) == [histories[8]] * N
+    # evaluate: no collective per step; its figures (summed at its end) one process's
+    evaluated = {}
+    for steps in (4, 8):
+        x, y = _frozen_data(steps * batch)
+        before = core.flight_sequence()
+        evaluated[steps] = m.evaluate(x, y, batch_size=batch, verbose=0, return_dict=True)
+        counts[steps] = core.flight_sequence() - before
+        loss, correct = _one_process(m, x, y)
+        np.testing.assert_allclose(evaluated[steps]["loss"], loss.mean(), rtol=1e-5)
+        np.testing.assert_allclose(evaluated[steps]["accuracy"], correct.mean(), rtol=1e-6)
+    assert counts[8] == counts[4], counts
 
 
 class _BatchLogs(keras.callbacks.Callback):
