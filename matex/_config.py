@@ -80,8 +80,10 @@ _register("MATEX_MPI_INCLUDE", "", """The directory holding the MPI's `mpi.h`, w
     build does not find it.""")
 _register("MATEX_MPIEXEC", "", """The `mpiexec` matexrun runs; unset: the one of the MPI
     library mpi4py uses.""")
-_register("MATEX_HOROVOD_JOIN", "1", """`0` turns off the small allreduce that announces each
-    Horovod-API reduction (`hvd.join()` then works only where every rank joins at the same
+_register("MATEX_HOROVOD_JOIN", "auto", """Whether each Horovod-API reduction is announced
+    by a small allreduce, which `hvd.join()` needs where ranks join at different points:
+    `auto` (on, unless the main script imports Horovod and never calls its `join`), `1`
+    (on), `0` (off: `hvd.join()` then works only where every rank joins at the same
     point).""")
 _register("MATEX_ELASTIC_WRITE_EVERY", "1", """`hvd.elastic`: rank 0 writes every N-th
     commit to `MATEX_CHECKPOINT_DIR` (a host loss then resumes from up to N - 1 commits
@@ -261,9 +263,12 @@ def reader_memory():
 DEFAULT_FUSION_THRESHOLD = 16 * 1024 * 1024
 
 
-def horovod_join() -> bool:
-    """``MATEX_HOROVOD_JOIN``: whether Horovod-API reductions announce themselves (not "0")."""
-    return _get("MATEX_HOROVOD_JOIN", "1") != "0"
+def horovod_join() -> str:
+    """``MATEX_HOROVOD_JOIN``: "auto" (default), "1" or "0"; anything else is a ValueError."""
+    value = _get("MATEX_HOROVOD_JOIN").strip().lower() or "auto"
+    if value not in ("auto", "1", "0"):
+        raise ValueError("MATEX_HOROVOD_JOIN must be auto, 1 or 0, not %r" % value)
+    return value
 
 
 ELASTIC_WRITE_EVERY_VAR = "MATEX_ELASTIC_WRITE_EVERY"

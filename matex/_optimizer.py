@@ -140,30 +140,48 @@ _ROWS_NAME = "matex/rows"   # the rows count's entry in a fused bucket (timeline
 
 
 def _rows_ride_along(grads, compression) -> Optional[tf.DType]:
-    """The dtype the step's rows count can travel in, inside the gradients' fused
-    allreduce, or None when it cannot: sparse gradients, a compressor (it may narrow
-    the count), or gradients not all float32 or all float64 (float16 would overflow
-    at gradient x rows; a count is exact in float32 up to 2**24 rows)."""
-    dense = [g for g in grads if g is not None]
-    if compression is not None or not dense or any(
-            isinstance(g, tf.IndexedSlices) for g in dense):
+    """The dtype the step's rows count can travel in, inside the dense gradients' fused
+    allreduce, or None when it cannot: no dense gradient, a compressor (it may narrow
+    the count), or gradients (sparse ones' values included) not all float32 or all
+    float64 (float16 would overflow at gradient x rows; a count is exact in float32 up
+    to 2**24 rows)."""
+    present = [g for g in grads if g is not None]
+    if compression is not None or not any(
+            not isinstance(g, tf.IndexedSlices) for g in present):
         return None
-    dtypes = {tf.as_dtype(g.dtype) for g in dense}
+    dtypes = {tf.as_dtype(g.values.dtype if isinstance(g, tf.IndexedSlices) else g.dtype)
+              for g in present}
     return dtypes.pop() if len(dtypes) == 1 and dtypes <= {tf.float32, tf.float64} else None
+
+
+def _times(g, factor):
+    """``g * factor`` for a dense gradient or an IndexedSlices one's values."""
+    if isinstance(g, tf.IndexedSlices):
+        return tf.IndexedSlices(g.values * factor, g.indices, g.dense_shape)
+    return tf.convert_to_tensor(g) * factor
+
+
+def _over(g, total):
+    """``g / total`` (0 where total is 0), dense or IndexedSlices."""
+    if isinstance(g, tf.IndexedSlices):
+        return tf.IndexedSlices(tf.math.divide_no_nan(g.values, total), g.indices,
+                                g.dense_shape)
+    return tf.math.divide_no_nan(g, total)
 
 
 def _weighted_average(grads, rows, threshold, names=None, variables=None, compression=None):
     """Sum over ranks of grad_r * rows_r / total rows: the global-batch gradient.
 
-    One collective where it can: every gradient times this rank's rows, and the rows
-    themselves, summed in the same fused allreduce, then divided by the summed rows.
+    One collective for the dense gradients where it can: every gradient times this
+    rank's rows, and the rows themselves, summed in the same fused allreduce, then
+    divided by the summed rows (sparse gradients are reduced on their own, as always).
     Otherwise the rows are summed first and each gradient is weighted before its sum.
     """
     dtype = _rows_ride_along(grads, compression)
     if dtype is not None:
         count = tf.cast(rows, dtype)
         present = [i for i, g in enumerate(grads) if g is not None]
-        scaled = [tf.convert_to_tensor(grads[i]) * count for i in present]
+        scaled = [_times(grads[i], count) for i in present]
         given = [names[i] for i in present] if names else None
         held = [variables[i] for i in present] if variables else None
         # the count first: it joins the first bucket
@@ -172,7 +190,7 @@ def _weighted_average(grads, rows, threshold, names=None, variables=None, compre
             [_ROWS_NAME] + given if given else [_ROWS_NAME] + [None] * len(scaled))
         total, out = reduced[0], list(grads)
         for i, g in zip(present, reduced[1:]):
-            out[i] = tf.math.divide_no_nan(g, total)
+            out[i] = _over(g, total)
         return out
     rows = tf.cast(rows, tf.float64)
     total = _collectives.allreduce(rows, "sum")

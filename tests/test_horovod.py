@@ -360,3 +360,22 @@ def test_accumulation_fires_past_n_and_is_recovery_state():
     opt.apply([tf.constant([2.0])], [w])
     np.testing.assert_allclose(w.numpy(), [-3.0])         # 1 + 2 accumulated, applied
     assert int(reduction.counter) == 0
+
+
+@pytest.mark.parametrize("source, expected", [
+    ("import horovod.tensorflow as hvd\nhvd.init()\nprint(os.path.join('a', 'b'))", False),
+    ("import horovod.tensorflow as hvd\nhvd.join()", True),
+    ("import horovod.tensorflow.keras as hvd\nif hvd.rank() == 0:\n    hvd.join()", True),
+    ("import horovod.tensorflow\nhorovod.tensorflow.join()", True),
+    ("from horovod.tensorflow import join\njoin()", True),
+    ("from horovod import tensorflow as h\nh.join()", True),
+    ("from matex import horovod as hvd\nhvd.tensorflow.join()", True),
+    ("import matex.horovod.tensorflow as hvd\n', '.join(['a'])", False),
+    ("import tensorflow as tf\nimport os\nos.path.join('a')", None),
+])
+def test_which_scripts_may_call_horovods_join(source, expected):
+    """MATEX_HOROVOD_JOIN=auto announces reductions unless the main script imports Horovod
+    and never refers to its join; a join on anything else does not count."""
+    from matex.horovod._join import script_may_join
+
+    assert script_may_join(source) is expected

@@ -23,20 +23,30 @@ model): it must have reduced gradients once before joining. Any other
 collective run by the active ranks while a rank has joined (``allgather``,
 ``broadcast``, ``grouped_allreduce``, Keras ``fit``'s metric averaging...)
 meets the joined rank's announcement and fails on every rank with MaTEx's
-mismatch error: an error, never a hang. ``MATEX_HOROVOD_JOIN=0`` turns the
-announcements off (one small allreduce less per reduction); ``join()`` then
-only works when every rank joins at the same point.
+mismatch error: an error, never a hang.
+
+Announcements cost one small allreduce per reduction (2.3-3.0x an eager
+``hvd.allreduce``; ``benchmarks/horovod_join.py``), which Horovod's join does
+not: its coordinator negotiates every tensor anyway. So they are made only
+where ``join()`` may be called: by default (``MATEX_HOROVOD_JOIN=auto``) unless
+the main script imports Horovod and never refers to its ``join``
+(``script_may_join``). ``MATEX_HOROVOD_JOIN=1`` turns them on, ``0`` off; when
+off, ``join()`` works only when every rank joins at the same point, and a rank
+joining alone gets an error naming the variable.
 """
 
 from __future__ import annotations
 
+import ast
+import sys
 import threading
 import zlib
-from typing import Any
+from typing import Any, Optional
 
 import tensorflow as tf
 
 from matex import _collectives, _config, _runtime
+from matex.errors import is_mismatch
 
 STATUS = 12          # int64 values of an announcement
 MAX_DIMS = STATUS - 6
@@ -47,10 +57,80 @@ _plans: dict[int, tuple] = {}       # key -> (reduction, grads template, variabl
 _plans_lock = threading.Lock()
 
 
+def _is_horovod(module: str) -> bool:
+    return module.split(".")[0] == "horovod" or module.startswith("matex.horovod")
+
+
+def script_may_join(source: str) -> Optional[bool]:
+    """Whether a script's source may call Horovod's ``join``; None: it imports no Horovod.
+
+    True when it imports ``join`` from a Horovod module, or refers to ``.join`` on a
+    name a Horovod import binds (``hvd.join``, ``horovod.tensorflow.join``); a
+    ``join`` on anything else (``os.path.join``, ``", ".join``) does not count.
+    """
+    tree = ast.parse(source)
+    bound: set = set()   # names a Horovod import binds
+    imports = False
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            for alias in node.names:
+                if _is_horovod(alias.name):
+                    imports = True
+                    bound.add(alias.asname or alias.name.split(".")[0])
+        elif isinstance(node, ast.ImportFrom) and node.module:
+            horovod = _is_horovod(node.module)
+            for alias in node.names:
+                if horovod or (node.module == "matex" and alias.name == "horovod"):
+                    imports = True
+                    if alias.name == "join":
+                        return True
+                    bound.add(alias.asname or alias.name)
+    if not imports:
+        return None
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Attribute) and node.attr == "join":
+            root = node.value
+            while isinstance(root, ast.Attribute):
+                root = root.value
+            if isinstance(root, ast.Name) and root.id in bound:
+                return True
+    return False
+
+
+def _main_script() -> Optional[str]:
+    """The main script's source, or None (an interactive session, ``-c``, unreadable)."""
+    path = getattr(sys.modules.get("__main__"), "__file__", None)
+    if not path or not str(path).endswith(".py"):
+        return None
+    try:
+        with open(path, encoding="utf-8") as f:
+            return f.read()
+    except (OSError, UnicodeDecodeError):
+        return None
+
+
+_decided: Optional[bool] = None   # MATEX_HOROVOD_JOIN=auto's answer, once per process
+
+
+def announcing() -> bool:
+    """Whether this process's Horovod-API reductions are announced (``MATEX_HOROVOD_JOIN``)."""
+    global _decided
+    setting = _config.horovod_join()
+    if setting != "auto":
+        return setting == "1"
+    if _decided is None:
+        source = _main_script()
+        try:
+            may = script_may_join(source) if source is not None else None
+        except (SyntaxError, ValueError):
+            may = None
+        _decided = may is not False   # off only for a Horovod script that never joins
+    return _decided
+
+
 def enabled() -> bool:
-    """Whether reductions announce themselves (``MATEX_HOROVOD_JOIN`` unset or not 0)."""
-    return _config.horovod_join() and not getattr(
-        _local, "serving", False)
+    """Whether reductions announce themselves now (not inside ``join()`` itself)."""
+    return announcing() and not getattr(_local, "serving", False)
 
 
 def _announce(values: list) -> tf.Tensor:
@@ -140,10 +220,21 @@ def join() -> tf.Tensor:
     from matex.horovod import _api
 
     first = True
+    announced = announcing()
     _local.serving = True
     try:
         while True:
-            status = _collectives.allreduce(tf.zeros([STATUS], tf.int64), "sum").numpy()
+            try:
+                status = _collectives.allreduce(tf.zeros([STATUS], tf.int64), "sum").numpy()
+            except Exception as exc:
+                if announced or not is_mismatch(exc):
+                    raise
+                raise RuntimeError(
+                    "hvd.join(): the other ranks ran a reduction while this rank joined, and "
+                    "reductions are not announced (MATEX_HOROVOD_JOIN=%s%s): set "
+                    "MATEX_HOROVOD_JOIN=1 where ranks join at different points"
+                    % (_config.horovod_join(), ", and the main script never calls join"
+                       if _config.horovod_join() == "auto" else "")) from exc
             active = int(status[0])
             if active == 0:
                 break

@@ -343,6 +343,62 @@ def test_join_meets_an_unannounced_collective_with_an_error_on_every_rank():
     assert float(hvd.allreduce(tf.constant(1.0), op=hvd.Sum)) == N
 
 
+NEVER_JOINS = "import horovod.tensorflow as hvd\nimport os\nhvd.init()\nos.path.join('a')\n"
+JOINS = "import horovod.tensorflow as hvd\nhvd.init()\nhvd.join()\n"
+
+
+@pytest.fixture
+def main_script(monkeypatch):
+    """Pretend the main script is the given source (MATEX_HOROVOD_JOIN=auto decides anew)."""
+    from matex.horovod import _join
+
+    def pretend(source):
+        monkeypatch.setattr(_join, "_main_script", lambda: source)
+        monkeypatch.setattr(_join, "_decided", None)
+
+    monkeypatch.delenv("MATEX_HOROVOD_JOIN", raising=False)
+    yield pretend
+
+
+def _collectives_of(function):
+    from matex import _native
+
+    core = _native.core()
+    before = core.flight_sequence()
+    function()
+    return core.flight_sequence() - before
+
+
+@pytest.mark.parametrize("source, per_call", [(NEVER_JOINS, 1), (JOINS, 2), (None, 2)],
+                         ids=["script-never-joins", "script-joins", "no-script"])
+def test_reductions_are_announced_only_where_join_may_be_called(main_script, source,
+                                                                 per_call):
+    """An eager hvd.allreduce makes one collective in a Horovod script that never calls
+    join (Horovod's join costs nothing until used); two (announcement and reduction) where
+    the script calls hvd.join, or where there is no script to read (here: pytest). Before,
+    every script paid the announcement."""
+    main_script(source)
+    value = tf.constant([1.0, 2.0])
+    assert _collectives_of(lambda: hvd.allreduce(value, op=hvd.Sum)) == per_call
+    assert hvd.allreduce(value, op=hvd.Sum).numpy().tolist() == [N * 1.0, N * 2.0]
+
+
+def test_a_rank_joining_alone_without_announcements_is_told_how_to_turn_them_on(main_script):
+    """Announcements off (a script that never calls join): a rank calling hvd.join() while
+    the others reduce gets an error naming MATEX_HOROVOD_JOIN, the others the mismatch
+    error; no hang, and the ranks go on."""
+    if N == 1:
+        pytest.skip("needs 2 ranks")
+    main_script(NEVER_JOINS)
+    if R == 0:
+        with pytest.raises(RuntimeError, match="MATEX_HOROVOD_JOIN=1"):
+            hvd.join()
+    else:
+        with pytest.raises((tf.errors.FailedPreconditionError, tf.errors.InvalidArgumentError)):
+            hvd.allreduce(tf.constant([float(R)] * 5), op=hvd.Sum)
+    assert float(hvd.allreduce(tf.constant(1.0), op=hvd.Sum)) == N
+
+
 def test_one_rank_alone_may_read_the_cross_figures():
     """``if hvd.rank() == 0: print(hvd.cross_size())``: the figures of a communicator are
     computed when it is set, so rank 0 alone reads them locally. Before, the first call on

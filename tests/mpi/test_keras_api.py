@@ -481,6 +481,17 @@ def test_fit_makes_one_collective_per_step_with_exact_global_metrics():
                                        rtol=1e-6)
     assert counts[8] - counts[4] == 2 * 4, counts   # 2 epochs x 4 more steps, one each
     assert gather(histories[8]) == [histories[8]] * N
+    # evaluate: no collective per step; its figures (summed at its end) one process's
+    evaluated = {}
+    for steps in (4, 8):
+        x, y = _frozen_data(steps * batch)
+        before = core.flight_sequence()
+        evaluated[steps] = m.evaluate(x, y, batch_size=batch, verbose=0, return_dict=True)
+        counts[steps] = core.flight_sequence() - before
+        loss, correct = _one_process(m, x, y)
+        np.testing.assert_allclose(evaluated[steps]["loss"], loss.mean(), rtol=1e-5)
+        np.testing.assert_allclose(evaluated[steps]["accuracy"], correct.mean(), rtol=1e-6)
+    assert counts[8] == counts[4], counts
 
 
 class _BatchLogs(keras.callbacks.Callback):
@@ -508,3 +519,42 @@ def test_a_callback_reading_batch_logs_gets_the_global_running_metrics_every_bat
         np.testing.assert_allclose(seen_loss, loss[:rows].mean(), rtol=1e-5)
         np.testing.assert_allclose(seen_accuracy, correct[:rows].mean(), rtol=1e-6)
     assert gather(reader.seen) == [reader.seen] * N
+
+
+def test_a_sparse_gradient_is_weighted_by_the_rows_that_ride_with_the_dense_ones():
+    """An Embedding's gradient is IndexedSlices: reduced on its own, weighted by the rows
+    whose count rides in the dense gradients' fused allreduce (one per step, with the
+    rows). Two steps of fit equal two steps of one process on the global batches."""
+    from matex import _native
+
+    def build():
+        keras.utils.set_random_seed(13)
+        m = keras.Sequential([keras.Input((5,), dtype="int32"), keras.layers.Embedding(12, 3),
+                              keras.layers.GlobalAveragePooling1D(), keras.layers.Dense(1)])
+        return m
+
+    batch = 4 * N
+    rng = np.random.default_rng(17)
+    x = rng.integers(0, 12, size=(2 * batch, 5)).astype("int32")
+    y = rng.normal(size=(2 * batch, 1)).astype("float32")
+    reference = build()   # one process: plain tape and SGD by hand on each global batch
+    for k in range(2):
+        with tf.GradientTape() as tape:
+            loss = tf.reduce_mean(tf.square(reference(x[k * batch:(k + 1) * batch])
+                                            - y[k * batch:(k + 1) * batch]))
+        grads = tape.gradient(loss, reference.trainable_variables)
+        assert isinstance(grads[0], tf.IndexedSlices)
+        for v, g in zip(reference.trainable_variables, grads):
+            v.assign_sub(0.1 * tf.convert_to_tensor(g))
+    m = build()
+    m.compile(keras.optimizers.SGD(0.1), "mse")
+    core = _native.core()
+    before = core.flight_sequence()
+    m.fit(x, y, batch_size=batch, epochs=1, shuffle=False, verbose=0)
+    fused = [e for e in core.flight_entries() if e["seq"] > before and e["kind"] == 2
+             and e["num_tensors"] == 3]   # Dense kernel and bias, and the rows
+    assert len(fused) == 2, [(e["kind"], e["num_tensors"]) for e in core.flight_entries()
+                             if e["seq"] > before]
+    for got, want in zip(m.get_weights(), reference.get_weights()):
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
+    assert all_equal_bytes(m.get_weights())
