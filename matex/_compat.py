@@ -368,6 +368,12 @@ def forget_train_function(model):
     model.train_function = None
 
 
+def forget_step_functions(model):
+    """Make ``fit``/``evaluate`` trace their steps anew."""
+    model.train_function = None
+    model.test_function = None
+
+
 def set_initial_epoch(model, epoch):
     """The epoch ``fit`` resumes at (what ``BackupAndRestore`` sets)."""
     model._initial_epoch = epoch

@@ -286,7 +286,7 @@ def fit(original):
                 checkpoint.suppress_restore(self, _iterations(self) != first_iteration)
                 _compat.set_initial_epoch(self, None)
                 try:
-                    with metrics.lazy_reduction():
+                    with metrics.lazy_reduction(self, global_logs.lazy):
                         histories.append(call(original, bound))
                 except tf.errors.InvalidArgumentError as exc:
                     clear = _check_equal_steps(exc, step_begin)

@@ -42,9 +42,10 @@ def evaluate(original):
                 *data, False, 0)
             a["verbose"] = quiet(verbose)
             a["callbacks"] = rank0_callbacks(callbacks)
-            if not isinstance(callbacks, keras.callbacks.CallbackList):   # fit's has its own
-                a["callbacks"] = [global_logs] + list(a["callbacks"] or [])
-            with metrics.lazy_reduction():
+            if isinstance(callbacks, keras.callbacks.CallbackList):
+                return call(original, bound)   # fit's validation: fit's GlobalLogs and way
+            a["callbacks"] = [global_logs] + list(a["callbacks"] or [])
+            with metrics.lazy_reduction(self, global_logs.lazy):
                 return call(original, bound)
 
         return _recovery.run(body, [_recovery.model_state(self, track_steps=False)],

@@ -29,11 +29,21 @@ _LAZY_MARK = "_matex_lazy_logs"   # on a model whose steps return local metric v
 
 
 class lazy_reduction:
-    """Within this block, steps traced for ``fit``/``evaluate`` leave the metrics local."""
+    """Within this block, steps traced for ``fit``/``evaluate`` leave the metrics local
+    (``active``), or sum them in the step (not ``active``: every batch's logs are read,
+    and one more collective in the step costs less than an eager sum after it).
+
+    A model whose step functions were traced the other way traces them anew.
+    """
+
+    def __init__(self, model, active: bool = True):
+        self.active = active
+        if getattr(model, _LAZY_MARK, None) not in (None, active):
+            _compat.forget_step_functions(model)
 
     def __enter__(self):
         self.before = getattr(_lazy, "active", False)
-        _lazy.active = True
+        _lazy.active = self.active
         return self
 
     def __exit__(self, *exc):
@@ -71,9 +81,11 @@ def get_metrics_result(original):
         variables = [v for m in self.metrics for v in m.variables]
         if not variables:
             return original(self)
-        if getattr(_lazy, "active", False) and not tf.executing_eagerly():
-            object.__setattr__(self, _LAZY_MARK, True)
-            return original(self)
+        if not tf.executing_eagerly():   # a step traced: the way it reduces is marked
+            lazy = getattr(_lazy, "active", False)
+            object.__setattr__(self, _LAZY_MARK, lazy)
+            if lazy:
+                return original(self)
         if _optimizer.in_compiled_part():   # jit_compile: summed by the step, outside XLA
             _optimizer.defer_to_outer_step()
             return original(self)
@@ -156,7 +168,7 @@ def on_batch(original):
 
 
 class GlobalLogs(keras.callbacks.Callback):
-    """Per-batch logs with the exact global metrics, read every ``every`` batches.
+    """Per-batch logs with the exact global metrics, read every ``every`` (> 1) batches.
 
     MaTEx's first callback on every rank: the steps return local metric values
     (``lazy_reduction``); at the first batch and then every ``every`` batches it
@@ -168,6 +180,8 @@ class GlobalLogs(keras.callbacks.Callback):
     def __init__(self, every: Optional[int]):
         super().__init__()
         self.every = every
+        # every batch: the step sums them itself (lazy_reduction(model, False))
+        self.lazy = every != 1
         self.last = {}    # "train"/"test" -> the last global values
         self.since = {}   # batches since they were read
 
@@ -184,8 +198,8 @@ class GlobalLogs(keras.callbacks.Callback):
         self._fill("test", logs)
 
     def _fill(self, kind, logs):
-        if self.every is None or not isinstance(logs, dict) or not reads_global_metrics(
-                self.model):
+        if (self.every is None or not self.lazy or not isinstance(logs, dict)
+                or not reads_global_metrics(self.model)):
             return
         self.since[kind] = self.since.get(kind, 0) + 1
         if kind not in self.last or self.since[kind] >= self.every:
