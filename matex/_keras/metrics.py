@@ -5,7 +5,9 @@ The metrics are reduced when they are read, not in every step: a step that
 collective for them (``lazy_reduction``). The epoch's and the call's figures
 are read eagerly at their end (Keras's ``get_metrics_result``), which sums the
 states over ranks; per-batch logs carry the global values every few batches
-(``GlobalLogs``), every batch when a script's callback reads them.
+(``GlobalLogs``). Where a script's callback may read every batch's logs, the
+step sums them itself, as one more collective in the graph: an eager sum after
+every step costs more (``benchmarks/small_models.py``).
 """
 
 import functools
