@@ -43,8 +43,8 @@ from typing import Sequence
 import numpy as np
 import tensorflow as tf
 
-from matex import _collectives, _runtime
-from matex._collectives import _as_tensor
+from matex import _runtime
+from matex._issue import _as_tensor, _issue, _ops
 from matex._runtime import _run_as_is
 
 FLOAT_DTYPES = (tf.float16, tf.bfloat16, tf.float32, tf.float64)
@@ -69,7 +69,7 @@ def _real(v, extra):
 
 
 def _p2p():
-    from matex.parallel import _p2p   # matex.parallel imports matex._collectives
+    from matex.parallel import _p2p   # lazily: only Adasum needs matex.parallel
 
     return _p2p
 
@@ -186,7 +186,8 @@ def _agree(tensors, counts, comm):
     instead of a failed transfer on some ranks and a wait on the others.
     """
     meta = tf.constant([tensors[0].dtype.as_datatype_enum] + counts, tf.int64)
-    both = _collectives.allreduce(tf.concat([meta, -meta], 0), op="max", comm=comm)
+    both = _issue(_ops().matex_allreduce, tf.concat([meta, -meta], 0), reduce_op="max",
+                  comm=int(comm), name=None)
     k = len(counts) + 1
     return tf.debugging.assert_equal(
         both[:k], -both[k:], message="matex.allreduce(op='adasum'): ranks disagree on the "

@@ -47,7 +47,7 @@ from typing import Sequence
 
 import tensorflow as tf
 
-from matex._collectives import _as_tensor, _issue, _ops
+from matex._issue import _as_tensor, _issue, _ops
 from matex._runtime import _run_as_is
 
 MAX_TAG = 8192   # kMaxP2PTag in tf_ops/core/p2p.h
