@@ -57,6 +57,9 @@ def _pythonify(value):
     return array.item() if array.ndim == 0 else array
 
 
+_reading_batch = False   # read_global under way: not the end of a rank's data
+
+
 def read_global(model) -> dict:
     """The model's metrics summed over ranks (a collective), for per-batch logs."""
     global _reading_batch
@@ -65,9 +68,6 @@ def read_global(model) -> dict:
         return {k: _pythonify(v) for k, v in model.get_metrics_result().items()}
     finally:
         _reading_batch = False
-
-
-_reading_batch = False   # read_global under way: not the end of a rank's data
 
 
 def get_metrics_result(original):
