@@ -370,7 +370,7 @@ def forget_train_function(model):
 
 def forget_step_functions(model):
     """Make ``fit``/``evaluate`` trace their steps anew."""
-    model.train_function = None
+    forget_train_function(model)
     model.test_function = None
 
 
