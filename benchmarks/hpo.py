@@ -58,6 +58,25 @@ import time  # noqa: E402
 
 import _common  # noqa: E402
 
+# `make` installs scikit-learn here, off the virtualenv's path (Keras imports it in every
+# process where it is importable, 1.2 s of each TensorFlow start-up)
+BENCH_SITE = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+                          ".venv", "bench-site")
+
+
+def need_scikit_learn():
+    """Keras Tuner's BayesianOptimization imports scikit-learn: find it, or say how to get it."""
+    import importlib.util
+
+    if importlib.util.find_spec("sklearn") is not None:
+        return
+    if os.path.isdir(os.path.join(BENCH_SITE, "sklearn")):
+        sys.path.insert(0, BENCH_SITE)      # the spawned search workers inherit sys.path
+        return
+    raise SystemExit("--algorithms kt_bo: Keras Tuner's BayesianOptimization needs scikit-learn, "
+                     "not found (pip install 'matex[bench]', or `make` puts it in %s); "
+                     "--algorithms lazy_bo,random,genetic leaves it out" % BENCH_SITE)
+
 ALGORITHMS = {   # name: description
     "random": "Keras Tuner RandomSearch",
     "kt_bo": "Keras Tuner BayesianOptimization",
@@ -422,6 +441,8 @@ def main():
     args.functions = [f for f in FUNCTIONS if f in functions]
     only = (" --functions " + ",".join(args.functions)
             if args.functions != list(FUNCTIONS) else "")
+    if workers is None and "kt_bo" in names:
+        need_scikit_learn()
     if workers is not None:
         workers = int(workers[0])
         results = {"parallel": parallel(args, workers)}
