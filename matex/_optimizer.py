@@ -25,6 +25,7 @@ from typing import TYPE_CHECKING, Optional
 import tensorflow as tf
 
 from matex import _collectives, _commit, _compat, _faults, _recovery
+from matex._recovery import has_value
 from matex.compression import _spec as _compression
 from matex.compression import _reduce
 
@@ -221,32 +222,6 @@ class rows_of_step:
         """The rows the optimizer weights by in this block, or None (not weighted)."""
         state = self.state
         return state.rows if state is not None and state.op == "average" else None
-
-
-def mark_first_step_synced(optimizer):
-    """Record that ``optimizer``'s first-step broadcast is done, on this rank (local).
-
-    After a rank failure the recovery loop broadcasts every variable from one
-    survivor, which replaces the first-step broadcast; every survivor must
-    then skip it, whether or not its own had run: otherwise a survivor whose
-    trace was interrupted before it would broadcast alone on its next trace
-    while the others reduce gradients.
-    """
-    state = getattr(optimizer, "_matex", None)
-    if state is None:
-        return
-    state.synced = True
-    for flag in state.flags:
-        flag.assign(False)
-
-
-def has_value(variable):
-    """Whether a (Keras or tf) variable can be read eagerly right now."""
-    try:
-        tensor = tf.convert_to_tensor(variable)
-    except (tf.errors.FailedPreconditionError, ValueError, TypeError):
-        return False
-    return tensor.shape == variable.shape
 
 
 def _last_collectives(graph):

@@ -53,6 +53,37 @@ from matex.errors import MismatchError, RankFailure
 _COPY_BELOW_BYTES = 64 << 10
 
 
+def has_value(variable) -> bool:
+    """Whether a (Keras or tf) variable can be read eagerly right now.
+
+    One created while a step was traced has no value until that step first runs.
+    """
+    import tensorflow as tf
+
+    try:
+        tensor = tf.convert_to_tensor(variable)
+    except (tf.errors.FailedPreconditionError, ValueError, TypeError):
+        return False
+    return tensor.shape == variable.shape
+
+
+def mark_first_step_synced(optimizer) -> None:
+    """Record that ``optimizer``'s first-step broadcast is done, on this rank (local).
+
+    After a rank failure the recovery loop broadcasts every variable from one
+    survivor, which replaces the first-step broadcast (``matex._optimizer``'s);
+    every survivor must then skip it, whether or not its own had run: otherwise
+    a survivor whose trace was interrupted before it would broadcast alone on
+    its next trace while the others reduce gradients.
+    """
+    state = getattr(optimizer, "_matex", None)
+    if state is None:
+        return
+    state.synced = True
+    for flag in state.flags:
+        flag.assign(False)
+
+
 def _snapshot(variables):
     """Values to restore ``variables`` to later, taken cheaply.
 
@@ -121,7 +152,6 @@ class VariablesState(State):
         mark the optimizer's first-step broadcast done: this one replaced it).
         """
         from matex import _collectives, _runtime
-        from matex._optimizer import has_value
 
         variables = list(self.variables())
         mine = [has_value(v) for v in variables]
@@ -141,8 +171,6 @@ class VariablesState(State):
         self.after_sync()
 
     def arrays(self):
-        from matex._optimizer import has_value
-
         return [v.numpy() for v in self.variables() if has_value(v)]
 
 
@@ -162,9 +190,7 @@ def model_state(model, track_steps=True):
         return int(optimizer.iterations) if optimizer is not None else 0
 
     def after_sync():
-        from matex import _optimizer
-
-        _optimizer.mark_first_step_synced(getattr(model, "optimizer", None))
+        mark_first_step_synced(getattr(model, "optimizer", None))
 
     undo = (lambda: model.non_trainable_variables) if track_steps else (lambda: ())
     return VariablesState(variables, counter, undo, after_sync)
@@ -246,9 +272,7 @@ def run_resilient(step: Callable[[int], Any], num_steps: int, variables: Iterabl
     variables, undo = list(variables), list(undo_on_redo)
 
     def after_sync():   # the recovery's broadcast replaced the first-step one (see fit's)
-        from matex import _optimizer
-
-        _optimizer.mark_first_step_synced(optimizer)
+        mark_first_step_synced(optimizer)
 
     state = VariablesState(lambda: variables, lambda: optimizer.iterations, lambda: undo,
                            after_sync)
@@ -267,12 +291,12 @@ def run_resilient(step: Callable[[int], Any], num_steps: int, variables: Iterabl
         broadcast them while its ``apply`` is traced; a rank lost then would abort the
         script's ``tf.function`` in its first trace, after which TensorFlow refuses to
         create variables in any later trace ("Creating variables on a non-first call")."""
-        from matex import _collectives, _optimizer
+        from matex import _collectives
 
         if getattr(getattr(optimizer, "_matex", None), "synced", True):
             return
-        _collectives.broadcast_variables([v for v in variables if _optimizer.has_value(v)], 0)
-        _optimizer.mark_first_step_synced(optimizer)
+        _collectives.broadcast_variables([v for v in variables if has_value(v)], 0)
+        mark_first_step_synced(optimizer)
 
     run(body, states, on_recovered=recoveries.append)
     return len(recoveries)

@@ -15,7 +15,7 @@ from typing import Any
 import tensorflow as tf
 
 import matex
-from matex import _collectives, _optimizer, _process_sets, _runtime, _transparent
+from matex import _collectives, _process_sets, _recovery, _runtime, _transparent
 from matex.errors import is_mismatch
 from matex._process_sets import ProcessSet, global_process_set
 from matex.horovod import _join
@@ -675,14 +675,12 @@ def _distributed_optimizer(optimizer, compression, sparse_as_dense, backward_pas
     state.strategy = _reduce_within(reduction, process_set)
     object.__setattr__(optimizer, "register_local_var", reduction.register_local_var)
     if backward_passes_per_step > 1:   # the counter and accumulators: recovery state
-        from matex import _recovery
-
         _recovery.join(optimizer, lambda opt, variables: reduction.recovery_state(opt))
     # Explicit, as Horovod's: it reduces what it is given, over its set, and broadcasts
     # nothing unasked (no first-step broadcast of rank 0's weights over every rank, which
     # hung a set training alone and overwrote local layers): the script broadcasts
     # (BroadcastGlobalVariablesCallback, hvd.broadcast_variables).
-    _optimizer.mark_first_step_synced(optimizer)
+    _recovery.mark_first_step_synced(optimizer)
     return optimizer
 
 

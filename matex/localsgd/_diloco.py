@@ -19,7 +19,7 @@ the last synchronisation, anchor and outer state included.
 import keras
 import tensorflow as tf
 
-from matex import _optimizer
+from matex import _recovery
 from matex.localsgd._local_sgd import LocalStrategy, convert
 
 
@@ -41,7 +41,7 @@ class DiLoCoStrategy(LocalStrategy):
 
     def _build(self, variables):
         with tf.init_scope():
-            ready = all(_optimizer.has_value(v) for v in variables)
+            ready = all(_recovery.has_value(v) for v in variables)
             self.anchors = [
                 keras.Variable(tf.convert_to_tensor(v) if ready else tf.zeros(v.shape, v.dtype),
                                trainable=False, name="diloco_anchor_%d" % i)

@@ -108,13 +108,13 @@ class TensorFlowKerasState(_VariablesMixin, ObjectState):
         """Rank ``root``'s model and optimizer state, then the objects. An optimizer built
         on some rank only (it has stepped there, or a commit was loaded) is built first
         everywhere, so every rank holds the same variables."""
-        from matex import _optimizer, _runtime
+        from matex import _recovery, _runtime
 
         if self.optimizer is not None and any(_runtime.control().allgather(
                 bool(getattr(self.optimizer, "built", True)))):
             self._build_optimizer()
         self._sync_values()
-        _optimizer.mark_first_step_synced(self.optimizer)   # this broadcast replaced it
+        _recovery.mark_first_step_synced(self.optimizer)   # this broadcast replaced it
         super().sync()
 
     def committed(self) -> Any:
