@@ -15,7 +15,7 @@ from typing import Any
 import tensorflow as tf
 
 import matex
-from matex import _collectives, _process_sets, _recovery, _runtime, _transparent
+from matex import _collectives, _process_sets, _runtime, _transparent
 from matex.errors import is_mismatch
 from matex._process_sets import ProcessSet, global_process_set
 from matex.horovod import _join
@@ -278,50 +278,6 @@ def _set_size(process_set: ProcessSet | None) -> int:
     return process_set.size() or 0
 
 
-def _reduce_within(reduction: Any, process_set: ProcessSet | None) -> Any:
-    """Make ``reduction`` (an optimizer's or tape's ``HorovodReduction``) reduce over
-    ``process_set`` only, as Horovod's ``process_set=`` does; returns it.
-
-    On the set's members the gradients are averaged (or summed) over the set's
-    communicator slot, local variables' gradients kept (divided by the set's size
-    with ``scale_local_gradients``); a rank outside the set keeps its own gradients.
-    No compression within a process set.
-    """
-    if process_set is None or process_set.process_set_id == 0:
-        return reduction
-    op = {"average": Average, "sum": Sum, "adasum": Adasum}[reduction.op]
-
-    def reduce(grads: list, variables: list | None) -> list:
-        grads = list(grads)
-        if not process_set.included():
-            return grads
-        local = reduction._local_ids() if variables is not None else set()
-        out: list[Any] = list(grads)
-        dense = []
-        for i, g in enumerate(grads):
-            if g is None:
-                continue
-            if variables is not None and id(variables[i]) in local:
-                if reduction.scale_local:
-                    out[i] = g / tf.cast(_set_size(process_set), g.dtype)
-                continue
-            if isinstance(g, tf.IndexedSlices) and (reduction.sparse_as_dense or op == Adasum):
-                g = tf.convert_to_tensor(g)
-            if isinstance(g, tf.IndexedSlices):
-                out[i] = allreduce(g, op=op, process_set=process_set)
-            else:
-                dense.append(i)
-        reduced = grouped_allreduce([grads[i] if not isinstance(grads[i], tf.IndexedSlices)
-                                     else tf.convert_to_tensor(grads[i]) for i in dense],
-                                    op=op, process_set=process_set)
-        for i, r in zip(dense, reduced):
-            out[i] = r
-        return out
-
-    reduction.reduce = reduce
-    return reduction
-
-
 def _averaged_gradient(tensor: tf.Tensor, comm: int = 0) -> tf.Tensor:
     """Identity whose gradient is divided by the number of ranks (of slot ``comm``).
 
@@ -515,221 +471,19 @@ def broadcast_global_variables(root_rank: int) -> Any:
     return broadcast_variables(tf.compat.v1.global_variables(), root_rank)
 
 
+def join() -> tf.Tensor:
+    """Serve the other ranks' announced reductions with zeros until every rank has joined.
+
+    Returns the last rank to join (an int32 scalar tensor), the same on every
+    rank. Eager only. See ``matex.horovod._join`` for which reductions are
+    announced (``MATEX_HOROVOD_JOIN``).
+    """
+    return _join.join(allreduce)
+
+
 def _executing_eagerly() -> bool:
     """Whether ops run eagerly now (Horovod's ``horovod.tensorflow.util`` helper)."""
     return tf.executing_eagerly()
-
-
-# ---- training ----------------------------------------------------------------
-
-def _training_op(op: int, what: str) -> str:
-    if op not in (Average, Sum, Adasum):
-        raise NotImplementedError("%s: only hvd.Average, hvd.Sum and hvd.Adasum are supported "
-                                  "by matex, not %s" % (what, _OP_NAMES.get(op, op)))
-    return _OP_NAMES[op]
-
-
-def _check_training_args(what: str, backward_passes_per_step: int = 1,
-                         gradient_predivide_factor: float = 1.0, op: int = Average,
-                         num_groups: int = 0, groups: Any = None, process_set: Any = None,
-                         sparse_as_dense: bool = False,
-                         average_aggregated_gradients: bool = False) -> None:
-    """Horovod options MaTEx has no equivalent for: a NotImplementedError naming them."""
-    _no_process_set(process_set)
-    if (isinstance(backward_passes_per_step, bool) or not isinstance(backward_passes_per_step, int)
-            or backward_passes_per_step <= 0):
-        raise ValueError("backward_passes_per_step must be > 0")
-    if gradient_predivide_factor != 1.0 and op != Average:
-        raise ValueError("gradient_predivide_factor not supported with op != Average")
-    if groups is not None or num_groups:
-        import logging
-
-        logging.getLogger(__name__).info(
-            "%s: groups/num_groups ignored: MaTEx fuses gradients by size "
-            "(MATEX_FUSION_THRESHOLD)", what)
-
-
-def _compression_spec(compression: type[Compressor]) -> Any:
-    from matex.horovod._compression import as_matex_compressor
-
-    return as_matex_compressor(compression)
-
-
-def _local_layers(local_layers: Any) -> list:
-    """Horovod's ``local_layers=``: None, one Keras layer or an iterable of them."""
-    import keras
-
-    from matex.legacy._keras2 import is_keras2
-
-    def is_layer(layer):   # a Keras 3 layer, or a Keras 2 (tf-keras) one
-        return isinstance(layer, keras.layers.Layer) or (is_keras2(layer)
-                                                         and hasattr(layer, "trainable_weights"))
-
-    if local_layers is None:
-        return []
-    if is_layer(local_layers):
-        return [local_layers]
-    local_layers = list(local_layers)
-    if not all(is_layer(layer) for layer in local_layers):
-        raise ValueError("All local layers must be of tf.keras.layers.Layer type.")
-    return local_layers
-
-
-def DistributedOptimizer(optimizer: Any, name: str | None = None, use_locking: bool = False,
-                         device_dense: str = "", device_sparse: str = "",
-                         compression: type[Compressor] = Compression.none,
-                         sparse_as_dense: bool = False, backward_passes_per_step: int = 1,
-                         op: int = Average, gradient_predivide_factor: float = 1.0,
-                         average_aggregated_gradients: bool = False, num_groups: int = 0,
-                         groups: Any = None, process_set: Any = None,
-                         scale_local_gradients: bool = True) -> Any:
-    """A Keras 3 optimizer whose gradients are averaged (or summed) over ranks.
-
-    ``matex.DistributedOptimizer`` under Horovod's signature: ``op`` Average,
-    Sum or Adasum, ``compression`` none or fp16. ``gradient_predivide_factor``
-    only splits Horovod's average into a pre- and post-division: the average
-    is the same, and MaTEx divides once. ``backward_passes_per_step=N``
-    accumulates gradients locally and reduces and applies them every N-th
-    call (divided by N with ``average_aggregated_gradients``); the other calls
-    only advance ``iterations``, as in Horovod. ``sparse_as_dense`` makes
-    ``IndexedSlices`` gradients dense before the reduction. The optimizer
-    gains Horovod's ``register_local_var(var)``: that variable's gradient is
-    not reduced (divided by the number of ranks with
-    ``scale_local_gradients``). ``process_set``: the gradients are reduced
-    over its members only (the others keep theirs). A TF1
-    ``tf.compat.v1.train.Optimizer`` gives Horovod's TF1 optimizer
-    (``matex.legacy._optimizer_v1``): ``compute_gradients`` reduces (with
-    ``backward_passes_per_step=N`` it accumulates in local variables and reduces
-    every N-th call, in a control flow v2 cond: fetch no other MaTEx collective in
-    that ``Session.run``).
-    """
-    return _distributed_optimizer(optimizer, compression, sparse_as_dense,
-                                  backward_passes_per_step, op, gradient_predivide_factor,
-                                  average_aggregated_gradients, num_groups, groups, process_set,
-                                  scale_local_gradients, None, "DistributedOptimizer")
-
-
-def PartialDistributedOptimizer(optimizer: Any, name: str | None = None,
-                                use_locking: bool = False, device_dense: str = "",
-                                device_sparse: str = "",
-                                compression: type[Compressor] = Compression.none,
-                                sparse_as_dense: bool = False,
-                                backward_passes_per_step: int = 1, op: int = Average,
-                                gradient_predivide_factor: float = 1.0,
-                                average_aggregated_gradients: bool = False,
-                                num_groups: int = 0, groups: Any = None,
-                                process_set: Any = None, local_layers: Any = None,
-                                scale_local_gradients: bool = True) -> Any:
-    """``DistributedOptimizer`` whose ``local_layers``' gradients are not reduced.
-
-    Those layers' trainable weights are updated from this rank's gradients
-    only (divided by the number of ranks with ``scale_local_gradients``, as
-    Horovod does), so they may differ between ranks; every other weight gets
-    the reduced gradients.
-    """
-    return _distributed_optimizer(optimizer, compression, sparse_as_dense,
-                                  backward_passes_per_step, op, gradient_predivide_factor,
-                                  average_aggregated_gradients, num_groups, groups, process_set,
-                                  scale_local_gradients, _local_layers(local_layers),
-                                  "PartialDistributedOptimizer")
-
-
-def _distributed_optimizer(optimizer, compression, sparse_as_dense, backward_passes_per_step,
-                           op, gradient_predivide_factor, average_aggregated_gradients,
-                           num_groups, groups, process_set, scale_local_gradients, local_layers,
-                           what):
-    from matex.legacy import _keras2
-
-    _transparent.explicit_layer_in_use("horovod")
-    if _keras2.is_keras2(optimizer):   # Keras 2 (tf-keras): Horovod's Keras 2 optimizer
-        return _keras2.horovod_optimizer(
-            optimizer, compression, sparse_as_dense, backward_passes_per_step, op,
-            gradient_predivide_factor, average_aggregated_gradients, num_groups, groups,
-            process_set, scale_local_gradients, local_layers, what)
-    from matex.compression import _spec
-    from matex.horovod._training import HorovodReduction
-
-    _check_training_args(what, backward_passes_per_step, gradient_predivide_factor, op,
-                         num_groups, groups, process_set)
-    if isinstance(optimizer, tf.compat.v1.train.Optimizer):   # TF1 graphs: matex.legacy
-        from matex.legacy import _optimizer_v1
-
-        reduction = HorovodReduction(_training_op(op, what),
-                                     _spec.from_spec(_compression_spec(compression)),
-                                     sparse_as_dense, backward_passes_per_step,
-                                     average_aggregated_gradients, local_layers or (),
-                                     scale_local_gradients)
-        return _optimizer_v1.horovod_optimizer(optimizer, _reduce_within(reduction, process_set),
-                                               what)
-    spec = _compression_spec(compression)
-    optimizer = matex.DistributedOptimizer(optimizer, op=_training_op(op, what),
-                                           compression=spec)
-    state = optimizer._matex
-    if state.strategy is not None and not isinstance(state.strategy, HorovodReduction):
-        raise ValueError("%s: this optimizer already synchronises through %r"
-                         % (what, state.strategy))
-    reduction = HorovodReduction(
-        state.op, _spec.from_spec(spec), sparse_as_dense, backward_passes_per_step,
-        average_aggregated_gradients, local_layers or (), scale_local_gradients,
-        state.threshold)
-    state.strategy = _reduce_within(reduction, process_set)
-    object.__setattr__(optimizer, "register_local_var", reduction.register_local_var)
-    if backward_passes_per_step > 1:   # the counter and accumulators: recovery state
-        _recovery.join(optimizer, lambda opt, variables: reduction.recovery_state(opt))
-    # Explicit, as Horovod's: it reduces what it is given, over its set, and broadcasts
-    # nothing unasked (no first-step broadcast of rank 0's weights over every rank, which
-    # hung a set training alone and overwrote local layers): the script broadcasts
-    # (BroadcastGlobalVariablesCallback, hvd.broadcast_variables).
-    _recovery.mark_first_step_synced(optimizer)
-    return optimizer
-
-
-def _distributed_tape(gradtape, compression, sparse_as_dense, op, gradient_predivide_factor,
-                      num_groups, groups, process_set, scale_local_gradients, local_layers, what):
-    from matex.compression import _spec
-    from matex.horovod._training import HorovodReduction, horovod_tape
-
-    _transparent.explicit_layer_in_use("horovod")
-    _check_training_args(what, 1, gradient_predivide_factor, op, num_groups, groups,
-                         process_set)
-    reduction = HorovodReduction(_training_op(op, what),
-                                 _spec.from_spec(_compression_spec(compression)),
-                                 sparse_as_dense, local_layers=local_layers,
-                                 scale_local_gradients=scale_local_gradients)
-    return horovod_tape(gradtape, _reduce_within(reduction, process_set))
-
-
-def DistributedGradientTape(gradtape: tf.GradientTape, device_dense: str = "",
-                            device_sparse: str = "",
-                            compression: type[Compressor] = Compression.none,
-                            sparse_as_dense: bool = False, op: int = Average,
-                            gradient_predivide_factor: float = 1.0, num_groups: int = 0,
-                            groups: Any = None, process_set: Any = None,
-                            scale_local_gradients: bool = True) -> tf.GradientTape:
-    """``gradtape`` with gradients averaged (or summed) over ranks.
-
-    Options as ``DistributedOptimizer`` (Horovod's tape has no
-    ``backward_passes_per_step``). The tape gains Horovod's
-    ``register_local_source(var)`` and ``get_local_and_global_gradients``.
-    """
-    return _distributed_tape(gradtape, compression, sparse_as_dense, op,
-                             gradient_predivide_factor, num_groups, groups, process_set,
-                             scale_local_gradients, (), "DistributedGradientTape")
-
-
-def PartialDistributedGradientTape(gradtape: tf.GradientTape, device_dense: str = "",
-                                   device_sparse: str = "",
-                                   compression: type[Compressor] = Compression.none,
-                                   sparse_as_dense: bool = False, op: int = Average,
-                                   gradient_predivide_factor: float = 1.0, num_groups: int = 0,
-                                   groups: Any = None, process_set: Any = None,
-                                   local_layers: Any = None,
-                                   scale_local_gradients: bool = True) -> tf.GradientTape:
-    """``DistributedGradientTape`` whose ``local_layers``' gradients are not reduced."""
-    return _distributed_tape(gradtape, compression, sparse_as_dense, op,
-                             gradient_predivide_factor, num_groups, groups, process_set,
-                             scale_local_gradients, _local_layers(local_layers),
-                             "PartialDistributedGradientTape")
 
 
 # ---- collectives MaTEx gained for Horovod (present when this MaTEx has them) --------

@@ -41,7 +41,7 @@ import ast
 import sys
 import threading
 import zlib
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import tensorflow as tf
 
@@ -209,16 +209,16 @@ def announce_gradients(reduction: Any, grads: list, variables: list | None) -> A
     return _announce([_GRADIENTS, key])
 
 
-def join() -> tf.Tensor:
+def join(allreduce: Callable[..., Any]) -> tf.Tensor:
     """Serve the other ranks' announced reductions with zeros until every rank has joined.
 
+    ``allreduce`` is ``hvd.allreduce``: an announced eager allreduce is served
+    by the same call with zeros, so that its collectives match the others'.
     Returns the last rank to join (an int32 scalar tensor), the same on every
     rank. Eager only.
     """
     if not tf.executing_eagerly():
         raise NotImplementedError("hvd.join() runs eagerly (call it outside tf.function)")
-    from matex.horovod import _api
-
     first = True
     announced = announcing()
     _local.serving = True
@@ -243,7 +243,7 @@ def join() -> tf.Tensor:
             if kind == _ALLREDUCE:
                 dtype, op, scaled, rank = description[:4]
                 shape = description[4:4 + rank]
-                _api.allreduce(tf.zeros(shape, tf.dtypes.as_dtype(dtype)), op=op,
+                allreduce(tf.zeros(shape, tf.dtypes.as_dtype(dtype)), op=op,
                                postscale_factor=2.0 if scaled else 1.0)
             elif kind == _GRADIENTS:
                 with _plans_lock:

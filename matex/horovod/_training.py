@@ -28,7 +28,7 @@ import tensorflow as tf
 
 from matex import _collectives, _commit, _compat, _recovery, _tape
 from matex.compression import _reduce
-from matex.horovod import _join
+from matex.horovod import _api, _join
 
 
 # Python that builds ops: autograph (a tf.function's default) would convert it, and
@@ -279,3 +279,82 @@ def horovod_tape(tape: tf.GradientTape, reduction: HorovodReduction) -> tf.Gradi
     _tape.mix_in(tape, _HorovodTapeMixin)
     tape._hvd = reduction
     return tape
+
+
+# ---- Horovod's training options checked, and a reduction within a process set ----
+
+def training_op(op: int, what: str) -> str:
+    if op not in (_api.Average, _api.Sum, _api.Adasum):
+        raise NotImplementedError("%s: only hvd.Average, hvd.Sum and hvd.Adasum are supported "
+                                  "by matex, not %s" % (what, _api._OP_NAMES.get(op, op)))
+    return _api._OP_NAMES[op]
+
+
+def check_training_args(what: str, backward_passes_per_step: int = 1,
+                         gradient_predivide_factor: float = 1.0, op: int = _api.Average,
+                         num_groups: int = 0, groups: Any = None, process_set: Any = None,
+                         sparse_as_dense: bool = False,
+                         average_aggregated_gradients: bool = False) -> None:
+    """Horovod options MaTEx has no equivalent for: a NotImplementedError naming them."""
+    _api._no_process_set(process_set)
+    if (isinstance(backward_passes_per_step, bool) or not isinstance(backward_passes_per_step, int)
+            or backward_passes_per_step <= 0):
+        raise ValueError("backward_passes_per_step must be > 0")
+    if gradient_predivide_factor != 1.0 and op != _api.Average:
+        raise ValueError("gradient_predivide_factor not supported with op != _api.Average")
+    if groups is not None or num_groups:
+        import logging
+
+        logging.getLogger(__name__).info(
+            "%s: groups/num_groups ignored: MaTEx fuses gradients by size "
+            "(MATEX_FUSION_THRESHOLD)", what)
+
+
+def compression_spec(compression: Any) -> Any:
+    from matex.horovod._compression import as_matex_compressor
+
+    return as_matex_compressor(compression)
+
+
+def reduce_within(reduction: Any, process_set: Any) -> Any:
+    """Make ``reduction`` (an optimizer's or tape's ``HorovodReduction``) reduce over
+    ``process_set`` only, as Horovod's ``process_set=`` does; returns it.
+
+    On the set's members the gradients are averaged (or summed) over the set's
+    communicator slot, local variables' gradients kept (divided by the set's size
+    with ``scale_local_gradients``); a rank outside the set keeps its own gradients.
+    No compression within a process set.
+    """
+    if process_set is None or process_set.process_set_id == 0:
+        return reduction
+    op = {"average": _api.Average, "sum": _api.Sum, "adasum": _api.Adasum}[reduction.op]
+
+    def reduce(grads: list, variables: list | None) -> list:
+        grads = list(grads)
+        if not process_set.included():
+            return grads
+        local = reduction._local_ids() if variables is not None else set()
+        out: list[Any] = list(grads)
+        dense = []
+        for i, g in enumerate(grads):
+            if g is None:
+                continue
+            if variables is not None and id(variables[i]) in local:
+                if reduction.scale_local:
+                    out[i] = g / tf.cast(_api._set_size(process_set), g.dtype)
+                continue
+            if isinstance(g, tf.IndexedSlices) and (reduction.sparse_as_dense or op == _api.Adasum):
+                g = tf.convert_to_tensor(g)
+            if isinstance(g, tf.IndexedSlices):
+                out[i] = _api.allreduce(g, op=op, process_set=process_set)
+            else:
+                dense.append(i)
+        reduced = _api.grouped_allreduce([grads[i] if not isinstance(grads[i], tf.IndexedSlices)
+                                     else tf.convert_to_tensor(grads[i]) for i in dense],
+                                    op=op, process_set=process_set)
+        for i, r in zip(dense, reduced):
+            out[i] = r
+        return out
+
+    reduction.reduce = reduce
+    return reduction

@@ -68,14 +68,13 @@ class _DistributedKeras2:
         self._matex_start()
 
     def _matex_start(self) -> None:
-        from matex.horovod import _api
-        from matex.horovod._training import HorovodReduction
+        from matex.horovod import _training
 
         s = type(self)._matex_hvd
-        reduction = HorovodReduction(s["op"], s["compressor"], s["sparse_as_dense"],
+        reduction = _training.HorovodReduction(s["op"], s["compressor"], s["sparse_as_dense"],
                                      s["passes"], s["average_aggregated"], s["local_layers"],
                                      s["scale_local"])
-        reduction = _api._reduce_within(reduction, s["process_set"])
+        reduction = _training.reduce_within(reduction, s["process_set"])
         # plain attributes: Keras 2's tracking must not take them for optimizer state
         object.__setattr__(self, "_matex_reduction", reduction)
         object.__setattr__(self, "_agg_helper", reduction if s["passes"] > 1 else None)
@@ -184,13 +183,13 @@ def horovod_optimizer(optimizer: Any, compression: Any, sparse_as_dense: bool,
     """``hvd.DistributedOptimizer``'s arguments (Horovod's integers and classes) checked as
     for Keras 3, then ``distributed_optimizer``."""
     from matex.compression import _spec
-    from matex.horovod import _api
+    from matex.horovod import _training
 
-    _api._check_training_args(what, backward_passes_per_step, gradient_predivide_factor, op,
-                              num_groups, groups, process_set)
+    _training.check_training_args(what, backward_passes_per_step, gradient_predivide_factor,
+                                  op, num_groups, groups, process_set)
     return distributed_optimizer(
-        optimizer, _api._training_op(op, what),
-        _spec.from_spec(_api._compression_spec(compression)), sparse_as_dense,
+        optimizer, _training.training_op(op, what),
+        _spec.from_spec(_training.compression_spec(compression)), sparse_as_dense,
         backward_passes_per_step, average_aggregated_gradients, process_set,
         scale_local_gradients, local_layers)
 

@@ -10,22 +10,21 @@ Reduce ops (Horovod's integers): ``Average``, ``Sum``, ``Adasum``, ``Min``,
 """
 
 from matex.horovod import _api
-from matex.horovod._api import (DistributedGradientTape, DistributedOptimizer,
-                                PartialDistributedGradientTape, PartialDistributedOptimizer,
-                                Adasum,
+from matex.horovod._wrappers import (DistributedGradientTape, DistributedOptimizer,
+                                     PartialDistributedGradientTape, PartialDistributedOptimizer)
+from matex.horovod._api import (Adasum,
                                 Average, Max, Min, Product, Sum, allgather, allreduce,
                                 broadcast, broadcast_, broadcast_global_variables,
                                 broadcast_variables, ccl_built, cross_rank, cross_size,
                                 cuda_built, ddl_built, gloo_built, gloo_enabled,
                                 grouped_allreduce, handle_average_backwards_compatibility, init,
-                                is_homogeneous, is_initialized, local_rank, local_rank_op,
+                                is_homogeneous, is_initialized, join, local_rank, local_rank_op,
                                 local_size, local_size_op, mpi_built, mpi_enabled,
                                 mpi_threads_supported, nccl_built, rank, rank_op, rocm_built,
                                 shutdown, size, size_op)
 from matex.horovod._api import _executing_eagerly  # noqa: F401 - Horovod's tests use hvd._executing_eagerly
 from matex.horovod._compression import Compression
 from matex.horovod._sync_bn import SyncBatchNormalization
-from matex.horovod._join import join
 from matex.horovod.common.util import gpu_available
 from matex.horovod.tensorflow import util
 from matex.horovod._api import (ProcessSet, add_process_set, global_process_set,  # process sets

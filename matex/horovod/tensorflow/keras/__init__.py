@@ -13,7 +13,8 @@ from typing import Any
 import tensorflow as tf
 
 from matex.horovod import _api
-from matex.horovod._api import (DistributedOptimizer, PartialDistributedOptimizer, Adasum,
+from matex.horovod._wrappers import DistributedOptimizer, PartialDistributedOptimizer
+from matex.horovod._api import (Adasum,
                                 Average, Max, Min, Product, Sum,
                                 broadcast_global_variables, ccl_built, cross_rank, cross_size,
                                 cuda_built, ddl_built, gloo_built, gloo_enabled, init,
@@ -67,13 +68,14 @@ def load_model(filepath: str, custom_optimizers: list | None = None,
     loaded by tf-keras, and its optimizer is made distributed in place (its
     restored state kept).
     """
+    from matex.horovod import _training
     from matex.legacy import _keras2
 
     if _keras2.legacy_keras_active():
         from matex.compression import _spec
 
         return _keras2.load_model(filepath, custom_optimizers, custom_objects, "average",
-                                  _spec.from_spec(_api._compression_spec(compression)))
+                                  _spec.from_spec(_training.compression_spec(compression)))
     import keras
 
     objects = dict(custom_objects or {})
