@@ -77,10 +77,10 @@ _layer_saving.install()
 
 # MaTEx's op types are registered once TensorFlow is loaded: a graph saved by an MPI job
 # (import_meta_graph, a frozen GraphDef) imports in a later process, MPI job or not
-from matex import _native as _native_module  # noqa: E402 - imports neither MPI nor TF
+from matex.legacy import _saved_graphs  # noqa: E402 - imports neither MPI nor TF
 
 if not _self_check():   # the self-check reports what is built; it builds nothing
-    _native_module.register_ops_when_tensorflow_loads()
+    _saved_graphs.register_ops_when_tensorflow_loads()
 
 __all__ = [
     "init", "rank", "size", "local_rank", "local_size", "comm",
