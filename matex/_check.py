@@ -404,11 +404,11 @@ def collect(build: bool = False) -> list[Item]:
 
 def report(items: Sequence[Item], out: TextIO) -> int:
     """Print the table (and each fix under its item); return the exit status."""
-    import matex
+    from matex._version import __version__
 
     width = max(len(item.name) for item in items)
     print("MaTEx %s self-check (Python %s, %s)" % (
-        getattr(matex, "__version__", "?"), sys.version.split()[0], sys.executable), file=out)
+        __version__, sys.version.split()[0], sys.executable), file=out)
     for item in items:
         print("  %-4s  %-*s  %s" % (item.status, width, item.name, item.found), file=out)
         if item.fix and item.status in (WARN, FAIL, INFO):

@@ -14,8 +14,7 @@ from typing import Any
 
 import tensorflow as tf
 
-import matex
-from matex import _collectives, _process_sets, _runtime, _transparent
+from matex import _collectives, _grouped, _objects, _process_sets, _runtime, _transparent
 from matex.errors import is_mismatch
 from matex._process_sets import ProcessSet, global_process_set
 from matex.horovod import _join
@@ -143,7 +142,7 @@ def _after_init(function: Callable[[], int]) -> Callable[[], int]:
 
 
 rank, size, local_rank, local_size = (_after_init(f) for f in (
-    matex.rank, matex.size, matex.local_rank, matex.local_size))
+    _runtime.rank, _runtime.size, _runtime.local_rank, _runtime.local_size))
 
 
 def _cross() -> tuple[int, int, bool]:
@@ -409,7 +408,7 @@ def allgather(tensor: tf.Tensor, name: str | None = None, ignore_name_scope: boo
     """
     comm = _slot(process_set)
     tensor = tf.convert_to_tensor(tensor)
-    return matex.allgather(_averaged_gradient(tensor, comm), name=name, comm=comm)
+    return _collectives.allgather(_averaged_gradient(tensor, comm), name=name, comm=comm)
 
 
 @_as_horovod_errors
@@ -424,7 +423,7 @@ def broadcast(tensor: tf.Tensor, root_rank: int, name: str | None = None,
     comm = _slot(process_set)
     root = _process_sets.root_in(process_set, root_rank)
     tensor = tf.convert_to_tensor(tensor)
-    return matex.broadcast(_averaged_gradient(tensor, comm), root=root, name=name, comm=comm)
+    return _collectives.broadcast(_averaged_gradient(tensor, comm), root=root, name=name, comm=comm)
 
 
 @_as_horovod_errors
@@ -439,9 +438,9 @@ def broadcast_(variables: Iterable[tf.Variable], root_rank: int, name: str | Non
     root = _process_sets.root_in(process_set, root_rank)
     variables = list(variables)
     if not tf.executing_eagerly():
-        return [v.assign(matex.broadcast(v, root=root, comm=comm)) for v in variables]
+        return [v.assign(_collectives.broadcast(v, root=root, comm=comm)) for v in variables]
     for v in variables:
-        v.assign(matex.broadcast(v, root=root, comm=comm))
+        v.assign(_collectives.broadcast(v, root=root, comm=comm))
     return variables
 
 
@@ -457,9 +456,9 @@ def broadcast_variables(variables: Iterable[tf.Variable], root_rank: int,
     root = _process_sets.root_in(process_set, root_rank)
     variables = list(variables)
     if tf.executing_eagerly():
-        matex.broadcast_variables(variables, root=root, comm=comm)
+        _collectives.broadcast_variables(variables, root=root, comm=comm)
         return None
-    return tf.group(*[v.assign(matex.broadcast(v, root=root, comm=comm)) for v in variables])
+    return tf.group(*[v.assign(_collectives.broadcast(v, root=root, comm=comm)) for v in variables])
 
 
 def broadcast_global_variables(root_rank: int) -> Any:
@@ -486,101 +485,93 @@ def _executing_eagerly() -> bool:
     return tf.executing_eagerly()
 
 
-# ---- collectives MaTEx gained for Horovod (present when this MaTEx has them) --------
-
-def _has(name: str) -> bool:
-    return name in getattr(matex, "__all__", ())
+# ---- collectives MaTEx gained for Horovod ------------------------------------------
 
 
-OPTIONAL = [name for name in ("barrier", "broadcast_object", "broadcast_object_fn",
-                              "allgather_object", "grouped_allgather", "reducescatter",
-                              "grouped_reducescatter", "alltoall") if _has(name)]
+@_as_horovod_errors
+def barrier(process_set: Any = None) -> Any:
+    """Wait until every rank (of ``process_set``) has reached this point."""
+    return _collectives.barrier(comm=_slot(process_set))
 
-if _has("barrier"):
-    @_as_horovod_errors
-    def barrier(process_set: Any = None) -> Any:
-        """Wait until every rank (of ``process_set``) has reached this point."""
-        return matex.barrier(comm=_slot(process_set))
 
-if _has("broadcast_object"):
-    def broadcast_object(obj: Any, root_rank: int = 0, session: Any = None,
-                         name: str | None = None, process_set: Any = None) -> Any:
-        """Rank ``root_rank``'s picklable ``obj`` on every rank (``matex.broadcast_object``)."""
-        comm = _slot(process_set)
-        return matex.broadcast_object(obj, _process_sets.root_in(process_set, root_rank),
-                                      comm=comm)
+def broadcast_object(obj: Any, root_rank: int = 0, session: Any = None,
+                     name: str | None = None, process_set: Any = None) -> Any:
+    """Rank ``root_rank``'s picklable ``obj`` on every rank (``matex.broadcast_object``)."""
+    comm = _slot(process_set)
+    return _objects.broadcast_object(obj, _process_sets.root_in(process_set, root_rank),
+                                  comm=comm)
 
-if _has("broadcast_object_fn"):
-    def broadcast_object_fn(root_rank: int = 0, session: Any = None, name: str | None = None,
-                            process_set: Any = None) -> Callable[[Any], Any]:
-        """A function broadcasting its argument from ``root_rank``."""
-        comm = _slot(process_set)
-        return matex.broadcast_object_fn(_process_sets.root_in(process_set, root_rank),
-                                         comm=comm)
 
-if _has("allgather_object"):
-    def allgather_object(obj: Any, session: Any = None, name: str | None = None,
-                         process_set: Any = None) -> list:
-        """Every rank's picklable ``obj``, in rank order (``matex.allgather_object``)."""
-        return matex.allgather_object(obj, comm=_slot(process_set))
+def broadcast_object_fn(root_rank: int = 0, session: Any = None, name: str | None = None,
+                        process_set: Any = None) -> Callable[[Any], Any]:
+    """A function broadcasting its argument from ``root_rank``."""
+    comm = _slot(process_set)
+    return _objects.broadcast_object_fn(_process_sets.root_in(process_set, root_rank),
+                                     comm=comm)
 
-if _has("grouped_allgather"):
-    @_as_horovod_errors
-    def grouped_allgather(tensors: Sequence[tf.Tensor], name: str | None = None,
-                          ignore_name_scope: bool = False,
-                          process_set: Any = None) -> list[tf.Tensor]:
-        """``allgather`` of several tensors at once (Horovod's averaged gradients)."""
-        comm = _slot(process_set)
-        out = matex.grouped_allgather(
-            [_averaged_gradient(tf.convert_to_tensor(t), comm) for t in tensors], name=name,
-            comm=comm)
-        return [_gradient_in_dtype(o) for o in out]
 
-if _has("reducescatter"):
-    @_as_horovod_errors
-    def reducescatter(tensor: tf.Tensor, device_dense: str = "",
-                      compression: type[Compressor] = Compression.none, op: int = Average,
-                      name: str | None = None, process_set: Any = None,
-                      ignore_name_scope: bool = False, prescale_factor: float = 1.0,
-                      postscale_factor: float = 1.0) -> tf.Tensor:
-        """Reduce over ranks and give each rank its block of rows (``matex.reducescatter``)."""
-        comm = _slot(process_set)
-        compressed, context = compression.compress(tf.convert_to_tensor(tensor))
-        # Horovod's gradient is the size times MaTEx's (the allgathered output gradient,
-        # scaled by the factors, for Average; size times that for Sum)
-        compressed = _gradient_scaled(compressed, divide=False, comm=comm)
-        out = matex.reducescatter(compressed, op=_op_name(op), name=name, comm=comm,
-                                  prescale_factor=prescale_factor,
-                                  postscale_factor=postscale_factor)
-        return compression.decompress(out, context)
+def allgather_object(obj: Any, session: Any = None, name: str | None = None,
+                     process_set: Any = None) -> list:
+    """Every rank's picklable ``obj``, in rank order (``matex.allgather_object``)."""
+    return _objects.allgather_object(obj, comm=_slot(process_set))
 
-if _has("grouped_reducescatter"):
-    @_as_horovod_errors
-    def grouped_reducescatter(tensors: Sequence[tf.Tensor], device_dense: str = "",
-                              compression: type[Compressor] = Compression.none,
-                              op: int = Average, process_set: Any = None,
-                              prescale_factor: float = 1.0,
-                              postscale_factor: float = 1.0) -> list[tf.Tensor]:
-        """``reducescatter`` of several tensors at once (``matex.grouped_reducescatter``)."""
-        comm = _slot(process_set)
-        pairs = [compression.compress(tf.convert_to_tensor(t)) for t in tensors]
-        out = matex.grouped_reducescatter([_gradient_scaled(c, divide=False, comm=comm)
-                                           for c, _ in pairs],
-                                          op=_op_name(op), comm=comm,
-                                          prescale_factor=prescale_factor,
-                                          postscale_factor=postscale_factor)
-        return [_gradient_in_dtype(compression.decompress(o, ctx))
-                for o, (_, ctx) in zip(out, pairs)]
 
-if _has("alltoall"):
-    @_as_horovod_errors
-    def alltoall(tensor: tf.Tensor, splits: Any = None, name: str | None = None,
-                 ignore_name_scope: bool = False, process_set: Any = None) -> Any:
-        """Send block i of ``tensor`` (rows per ``splits``) to rank i (``matex.alltoall``).
+@_as_horovod_errors
+def grouped_allgather(tensors: Sequence[tf.Tensor], name: str | None = None,
+                      ignore_name_scope: bool = False,
+                      process_set: Any = None) -> list[tf.Tensor]:
+    """``allgather`` of several tensors at once (Horovod's averaged gradients)."""
+    comm = _slot(process_set)
+    out = _grouped.grouped_allgather(
+        [_averaged_gradient(tf.convert_to_tensor(t), comm) for t in tensors], name=name,
+        comm=comm)
+    return [_gradient_in_dtype(o) for o in out]
 
-        Returns the received rows, and with ``splits`` given also the received
-        splits (a pair), as Horovod does.
-        """
-        output, received = matex.alltoall(tensor, splits=splits, name=name,
-                                          comm=_slot(process_set))
-        return (output, received) if splits is not None else output
+
+@_as_horovod_errors
+def reducescatter(tensor: tf.Tensor, device_dense: str = "",
+                  compression: type[Compressor] = Compression.none, op: int = Average,
+                  name: str | None = None, process_set: Any = None,
+                  ignore_name_scope: bool = False, prescale_factor: float = 1.0,
+                  postscale_factor: float = 1.0) -> tf.Tensor:
+    """Reduce over ranks and give each rank its block of rows (``matex.reducescatter``)."""
+    comm = _slot(process_set)
+    compressed, context = compression.compress(tf.convert_to_tensor(tensor))
+    # Horovod's gradient is the size times MaTEx's (the allgathered output gradient,
+    # scaled by the factors, for Average; size times that for Sum)
+    compressed = _gradient_scaled(compressed, divide=False, comm=comm)
+    out = _collectives.reducescatter(compressed, op=_op_name(op), name=name, comm=comm,
+                              prescale_factor=prescale_factor,
+                              postscale_factor=postscale_factor)
+    return compression.decompress(out, context)
+
+
+@_as_horovod_errors
+def grouped_reducescatter(tensors: Sequence[tf.Tensor], device_dense: str = "",
+                          compression: type[Compressor] = Compression.none,
+                          op: int = Average, process_set: Any = None,
+                          prescale_factor: float = 1.0,
+                          postscale_factor: float = 1.0) -> list[tf.Tensor]:
+    """``reducescatter`` of several tensors at once (``matex.grouped_reducescatter``)."""
+    comm = _slot(process_set)
+    pairs = [compression.compress(tf.convert_to_tensor(t)) for t in tensors]
+    out = _grouped.grouped_reducescatter([_gradient_scaled(c, divide=False, comm=comm)
+                                       for c, _ in pairs],
+                                      op=_op_name(op), comm=comm,
+                                      prescale_factor=prescale_factor,
+                                      postscale_factor=postscale_factor)
+    return [_gradient_in_dtype(compression.decompress(o, ctx))
+            for o, (_, ctx) in zip(out, pairs)]
+
+
+@_as_horovod_errors
+def alltoall(tensor: tf.Tensor, splits: Any = None, name: str | None = None,
+             ignore_name_scope: bool = False, process_set: Any = None) -> Any:
+    """Send block i of ``tensor`` (rows per ``splits``) to rank i (``matex.alltoall``).
+
+    Returns the received rows, and with ``splits`` given also the received
+    splits (a pair), as Horovod does.
+    """
+    output, received = _collectives.alltoall(tensor, splits=splits, name=name,
+                                      comm=_slot(process_set))
+    return (output, received) if splits is not None else output

@@ -15,8 +15,7 @@ from typing import Any
 
 import tensorflow as tf
 
-import matex
-from matex import _recovery, _transparent
+from matex import _optimizer, _recovery, _transparent
 from matex.compression import _spec
 from matex.horovod import _training
 from matex.horovod._api import Average
@@ -125,7 +124,7 @@ def _distributed_optimizer(optimizer, compression, sparse_as_dense, backward_pas
         return _optimizer_v1.horovod_optimizer(
             optimizer, _training.reduce_within(reduction, process_set), what)
     spec = _training.compression_spec(compression)
-    optimizer = matex.DistributedOptimizer(optimizer, op=_training.training_op(op, what),
+    optimizer = _optimizer.DistributedOptimizer(optimizer, op=_training.training_op(op, what),
                                            compression=spec)
     state = optimizer._matex
     if state.strategy is not None and not isinstance(state.strategy, _training.HorovodReduction):

@@ -44,12 +44,11 @@ import keras
 import numpy as np
 import tensorflow as tf
 
-import matex
-from matex import _runtime
+from matex import _collectives, _runtime
 
 
 def _say(message: str) -> None:
-    if matex.rank() == 0:
+    if _runtime.rank() == 0:
         print(message, flush=True)
 
 _WEIGHTED = (keras.layers.Dense, keras.layers.Conv1D, keras.layers.Conv2D, keras.layers.Conv3D)
@@ -359,7 +358,7 @@ class NeuronApoptosis(keras.callbacks.Callback):
                 sums[i] += out.reshape(-1, out.shape[-1]).sum(axis=0)
                 counts[i] += out.size // out.shape[-1]
         flat = np.concatenate(sums + [np.asarray(counts, np.float64)])
-        total = np.asarray(matex.allreduce(tf.constant(flat), "sum"))
+        total = np.asarray(_collectives.allreduce(tf.constant(flat), "sum"))
         result, start = [], 0
         for i, s in enumerate(sums):
             count = total[len(flat) - len(counts) + i]
@@ -390,9 +389,9 @@ class NeuronApoptosis(keras.callbacks.Callback):
     def check(self, epoch: int = -1) -> dict:
         """Measure activity now and kill the units due (collective: call on every rank)."""
         activity = self._activity()
-        deaths = self._decide(activity) if matex.rank() == 0 else None
+        deaths = self._decide(activity) if _runtime.rank() == 0 else None
         deaths = _runtime.control().bcast(deaths, root=0)
-        if matex.rank() != 0:     # keep the quiet counters identical too
+        if _runtime.rank() != 0:     # keep the quiet counters identical too
             self._decide(activity)
         for lay in self._layers:
             for i in deaths.get(lay.name, ()):

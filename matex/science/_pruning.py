@@ -49,12 +49,11 @@ import keras
 import numpy as np
 import tensorflow as tf
 
-import matex
 from matex import _batch_slicing, _runtime
 
 
 def _say(message: str) -> None:
-    if matex.rank() == 0:
+    if _runtime.rank() == 0:
         print(message, flush=True)
 
 
@@ -98,7 +97,7 @@ class SamplePruning(keras.callbacks.Callback):
         if int(full_pass_every) != full_pass_every or full_pass_every < 1:
             raise ValueError("SamplePruning: full_pass_every must be an integer >= 1, got %r"
                              % (full_pass_every,))
-        size = matex.size()
+        size = _runtime.size()
         if int(batch_size) != batch_size or batch_size < size or batch_size % size:
             raise ValueError("SamplePruning: batch_size (the global batch) must be a multiple "
                              "of the %d ranks, got %r" % (size, batch_size))
@@ -138,10 +137,10 @@ class SamplePruning(keras.callbacks.Callback):
             x, y = np.asarray(x), np.asarray(y)
             if len(x) != len(y):
                 raise ValueError("SamplePruning: x has %d rows, y %d" % (len(x), len(y)))
-            lo, hi = _batch_slicing.slice_bounds(len(x), matex.rank(), matex.size())
+            lo, hi = _batch_slicing.slice_bounds(len(x), _runtime.rank(), _runtime.size())
             x, y = x[lo:hi], y[lo:hi]
         counts = _runtime.control().allgather(len(x))
-        offset = int(sum(counts[:matex.rank()]))
+        offset = int(sum(counts[:_runtime.rank()]))
         return x, y, offset, [int(c) for c in counts]
 
     # -- the epoch plan (the same arithmetic on every rank) ----------------------
@@ -162,9 +161,9 @@ class SamplePruning(keras.callbacks.Callback):
 
     def plan(self, epoch: int) -> tuple:
         """``(steps, this rank's batches as lists of global ids, weights per batch)``."""
-        sizes = [len(self._candidates(r, epoch)) for r in range(matex.size())]
+        sizes = [len(self._candidates(r, epoch)) for r in range(_runtime.size())]
         steps = -(-max(sizes) // self.per_rank_batch)
-        mine = self._candidates(matex.rank(), epoch)
+        mine = self._candidates(_runtime.rank(), epoch)
 
         def cuts(n):      # n samples over `steps` batches, sizes differing by at most one
             return [n // steps + (1 if j < n % steps else 0) for j in range(steps)]
@@ -172,14 +171,14 @@ class SamplePruning(keras.callbacks.Callback):
         per_rank = [cuts(n) for n in sizes]
         batches, weights, start = [], [], 0
         for j, rows in enumerate(cuts(len(mine))):
-            real = [per_rank[r][j] for r in range(matex.size())]
+            real = [per_rank[r][j] for r in range(_runtime.size())]
             padded = [max(c, 1) for c in real]
             batch = mine[start:start + rows]
             start += rows
             if self.row_weighted:
                 w = sum(padded) / sum(real)
             else:
-                w = padded[matex.rank()] * matex.size() / sum(real)
+                w = padded[_runtime.rank()] * _runtime.size() / sum(real)
             weight = np.full(max(rows, 1), w, np.float32)
             if rows == 0:          # a padding row, weight 0
                 batch = np.array([self.offset], np.int64)

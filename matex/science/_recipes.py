@@ -133,17 +133,16 @@ def _worker(args) -> dict:
     import keras
     import tensorflow as tf
 
-    import matex
-    from matex import _batch_slicing
+    from matex import _batch_slicing, _collectives, _optimizer, _runtime
     from matex.science._apoptosis import NeuronApoptosis
     from matex.science._pruning import SamplePruning
 
     data_fn, model_fn, _ = RECIPES[args.recipe]
-    rank, size = matex.rank(), matex.size()
+    rank, size = _runtime.rank(), _runtime.size()
     x, y, xt, yt, classes = data_fn(args.samples)
     keras.utils.set_random_seed(args.seed)
     model = model_fn(keras, classes)
-    model.compile(optimizer=matex.DistributedOptimizer(keras.optimizers.Adam(args.lr)),
+    model.compile(optimizer=_optimizer.DistributedOptimizer(keras.optimizers.Adam(args.lr)),
                   loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
                   metrics=["accuracy"])
     share = len(x) // size                    # equal blocks: equal steps on every rank
@@ -159,7 +158,7 @@ def _worker(args) -> dict:
             clock["train"] += time.perf_counter() - clock["start"]
             pred = np.argmax(np.asarray(self.model(xt[tlo:thi], training=False)), axis=1)
             correct = int((pred == yt[tlo:thi]).sum())
-            acc = float(matex.allreduce(tf.constant(correct, tf.int64), "sum")) / len(xt)
+            acc = float(_collectives.allreduce(tf.constant(correct, tf.int64), "sum")) / len(xt)
             clock["curve"].append((clock["train"], acc))
             if clock["to_target"] is None and acc >= args.target:
                 clock["to_target"] = clock["train"]
@@ -181,7 +180,7 @@ def _worker(args) -> dict:
         model.fit(x[lo:hi], y[lo:hi], batch_size=args.batch_size // size, epochs=args.epochs,
                   shuffle=True, verbose=0, callbacks=callbacks)
         trained = share * size * args.epochs
-    train_time = float(matex.allreduce(tf.constant(clock["train"], tf.float64), "max"))
+    train_time = float(_collectives.allreduce(tf.constant(clock["train"], tf.float64), "max"))
     row = {"recipe": args.recipe, "variant": args.variant, "ranks": size, "seed": args.seed,
            "epochs": args.epochs, "samples": args.samples,
            "test_accuracy": clock["curve"][-1][1], "target": args.target,

@@ -1,19 +1,20 @@
 """``horovod.tensorflow`` on MaTEx: ``import matex.horovod.tensorflow as hvd``.
 
-Horovod's names with Horovod's semantics (see ``matex.horovod``). The
-collectives MaTEx added for Horovod (alltoall, reducescatter, barrier, the
-object collectives, grouped allgather/reducescatter) are here when the
-installed MaTEx has them.
+Horovod's names with Horovod's semantics (see ``matex.horovod``), Horovod's
+later collectives included (alltoall, reducescatter, barrier, the object
+collectives, grouped allgather/reducescatter).
 
 Reduce ops (Horovod's integers): ``Average``, ``Sum``, ``Adasum``, ``Min``,
 ``Max``, ``Product``. ``util`` is ``horovod.tensorflow.util``.
 """
 
-from matex.horovod import _api
 from matex.horovod._wrappers import (DistributedGradientTape, DistributedOptimizer,
                                      PartialDistributedGradientTape, PartialDistributedOptimizer)
 from matex.horovod._api import (Adasum,
-                                Average, Max, Min, Product, Sum, allgather, allreduce,
+                                Average, Max, Min, Product, Sum, allgather, allgather_object,
+                                alltoall, barrier, broadcast_object, broadcast_object_fn,
+                                grouped_allgather, grouped_reducescatter, reducescatter,
+                                allreduce,
                                 broadcast, broadcast_, broadcast_global_variables,
                                 broadcast_variables, ccl_built, cross_rank, cross_size,
                                 cuda_built, ddl_built, gloo_built, gloo_enabled,
@@ -40,11 +41,9 @@ __all__ = [
     "broadcast_variables", "broadcast_global_variables", "Compression",
     "DistributedOptimizer", "DistributedGradientTape", "PartialDistributedOptimizer",
     "PartialDistributedGradientTape", "SyncBatchNormalization", "gpu_available", "join",
-    "util",
+    "util", "barrier", "broadcast_object", "broadcast_object_fn", "allgather_object",
+    "grouped_allgather", "reducescatter", "grouped_reducescatter", "alltoall",
 ]
-# the collectives MaTEx added for Horovod, where this MaTEx has them
-__all__ += _api.OPTIONAL
-globals().update({_n: getattr(_api, _n) for _n in _api.OPTIONAL})
 
 # elastic training (hvd.elastic.run, hvd.elastic.KerasState...)
 from matex.horovod.tensorflow import elastic  # noqa: E402
