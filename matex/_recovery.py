@@ -115,6 +115,39 @@ class State:
         return []
 
 
+class SnapshotState(State):
+    """Variables a step writes before its update is known to be committed on every rank.
+
+    ``variables()`` (a callable: some are made during the first step) and
+    ``counter()`` (the optimizer's step count, which moves when the update
+    commits). ``begin_step`` snapshots the variables; ``restore`` puts them back
+    when the counter did not move (the step's work was not committed on this
+    rank), and zeroes those made since the snapshot (a step that made them
+    had not begun then). Subclasses say what ``sync`` takes from rank 0 and what
+    ``arrays`` digests.
+    """
+
+    def __init__(self, variables: Callable[[], list], counter: Callable[[], int]) -> None:
+        self._variables_of, self._counter_of = variables, counter
+        self._at: int | None = None
+        self._saved: dict = {}
+
+    def begin_step(self) -> None:
+        variables = list(self._variables_of())
+        self._at = int(self._counter_of())
+        self._saved = {id(v): (v, value) for v, value in zip(variables, _snapshot(variables))}
+
+    def restore(self) -> None:
+        import tensorflow as tf
+
+        if self._at is not None and int(self._counter_of()) == self._at:
+            for v in self._variables_of():
+                saved = self._saved.get(id(v))
+                v.assign(saved[1] if saved is not None and saved[0] is v
+                         else tf.zeros_like(v))
+        self._at = None
+
+
 class VariablesState(State):
     """Variables committed by an optimizer step: all-or-nothing, counted by ``counter``.
 

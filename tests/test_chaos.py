@@ -33,7 +33,15 @@ MaTEx promises for it (one check function per workload):
   ``matex.errors.RankFailure`` naming exactly the killed ranks, or (the kill
   came after its run was done) holds the complete result, equal to the
   fault-free run's; nothing hangs. ``mpiexec``'s exit status is not checked
-  (under ULFM it is 0 whatever the ranks did).
+  (under ULFM it is 0 whatever the ranks did);
+* ``elastic`` (elastic_loop.py, a script written for Horovod, under ``matexrun
+  --ft --horovod``): ``hvd.elastic.run`` over a custom loop committing every
+  step (18), then Horovod's elastic Keras recipe (``fit`` with a ``KerasState``
+  and the three elastic callbacks, committing at epoch ends): exit 0, every
+  survivor finishes both, equal digests after each, every step committed once
+  (``iterations`` equals the steps), every sample trained once per epoch, the
+  number of ranks never growing. The check prints where the kill landed
+  (start-up, the loop, fit, after).
 
 A run whose kill fell while MPI started is relaunched by matexrun on the
 ranks left (renumbered from 0); the checks then expect those.
@@ -50,7 +58,7 @@ bare mpiexec; matexrun --ft relaunches, tests/test_launch.py).
 
 Switches: ``MATEX_CHAOS_RUNS`` (default 2, as ``make test`` runs it; a campaign
 sets 100), ``MATEX_CHAOS_WORKLOADS`` (comma-separated, default all, taken
-in turn in the order above: fit, loop, localsgd, predict, search, pipeline;
+in turn in the order above: fit, loop, localsgd, predict, search, pipeline, elastic;
 ``make test``'s 2 runs are fit and loop), ``MATEX_CHAOS_SEED`` (the plan of
 workloads, victims and moments; default 1, so ``make test`` draws the same
 plan every time, while the moments still fall on whatever the run is doing
@@ -204,6 +212,36 @@ def _check_pipeline(epochs, rows, nranks=NRANKS):
     return check
 
 
+def _check_elastic(per_epoch, epochs, batch=12, fit_epochs=3):
+    """hvd.elastic.run's custom loop then its Keras fit: exit 0, the survivors finish both,
+    equal digests, every step committed once, each sample once an epoch."""
+    def check(proc, results, victims, killed, free, context):
+        assert proc.returncode == 0, context
+        others = _survivors(results, victims, context)
+        assert len({r["digest"] for r in results.values()}) == 1, ("replicas differ", context)
+        _sizes(results, others, context)
+        steps = per_epoch * epochs
+        for rank, r in results.items():
+            assert r["returned"] == r["batch"] == r["iterations"] == steps, (rank, r, context)
+            assert r["seen"] == [float(epochs)] * (per_epoch * batch), (
+                "rank %d: a sample was lost or trained twice" % rank, context)
+            assert r["sizes"] == sorted(r["sizes"], reverse=True), (rank, r["sizes"], context)
+        fit = _results(proc.matex_out + ".fit")
+        assert set(others) <= set(fit), ("a survivor did not finish fit", sorted(fit),
+                                         context)
+        assert len({r["digest"] for r in fit.values()}) == 1, ("fit's replicas differ", context)
+        for rank, r in fit.items():
+            assert (r["epoch"], r["batch"]) == (fit_epochs, 0), (rank, r, context)
+            assert r["iterations"] == fit_epochs * per_epoch, (rank, r, context)
+        # where the kill landed, for the campaign's count
+        sizes, launches = results[min(results)]["sizes"], fit[min(fit)]["launches"]
+        where = ("none" if not killed else "start-up" if sizes[0] < NRANKS
+                 else "the loop" if sizes[-1] < NRANKS
+                 else "fit" if len(launches) > 1 or launches[0][1] < NRANKS else "after")
+        print("chaos: the kill landed in %s" % where)
+    return check
+
+
 # name: (script and arguments after OUT, the check of a run's end)
 WORKLOADS = {
     "fit": (["ft_fit.py", "{out}", "300", "32", "3", "validate"], _check_training(300, 3, 30)),
@@ -212,7 +250,10 @@ WORKLOADS = {
     "predict": (["chaos_predict.py", "{out}", "4096", "3"], _check_predict(4096, 3)),
     "search": (["chaos_search.py", "{out}", "8", "2"], _check_search(8)),
     "pipeline": (["chaos_pipeline.py", "{out}", "3"], _check_pipeline(3, 256)),
+    # a script written for Horovod (tests/scripts/elastic_loop.py), under --horovod
+    "elastic": (["elastic_loop.py", "{out}", "6", "3", "fit"], _check_elastic(6, 3)),
 }
+FLAGS = {"elastic": ["--horovod"]}   # matexrun's flags beyond --ft -n 4, per workload
 CHOSEN = [w.strip() for w in os.environ.get("MATEX_CHAOS_WORKLOADS",
                                             ",".join(WORKLOADS)).split(",") if w.strip()]
 
@@ -220,7 +261,8 @@ CHOSEN = [w.strip() for w in os.environ.get("MATEX_CHAOS_WORKLOADS",
 def _launch(workload, out):
     args, _ = WORKLOADS[workload]
     matexrun = os.path.join(os.path.dirname(sys.executable), "matexrun")
-    cmd = [matexrun, "--ft", "-n", str(NRANKS), str(SCRIPTS / args[0])] + [
+    cmd = [matexrun, "--ft", *FLAGS.get(workload, []), "-n", str(NRANKS),
+           str(SCRIPTS / args[0])] + [
         a.format(out=out) for a in args[1:]]
     env = launch.launch_env()
     env["TF_CPP_MIN_LOG_LEVEL"] = "2"

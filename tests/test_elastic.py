@@ -6,6 +6,8 @@
   step counted once, every sample trained on once per epoch, replicas equal.
   Then ``fit`` with ``KerasState`` and the elastic callbacks loses a rank in
   its third epoch and ends with exactly its steps.
+* Ranks killed inside ``backward_passes_per_step`` accumulation
+  (tests/scripts/elastic_accumulate.py): each gradient summed exactly once.
 * A whole host lost with its Open MPI daemon (which ULFM cannot survive,
   open-mpi/ompi #13215), on network-namespace hosts: ``matexrun --ft --elastic
   --host-discovery-script`` restarts the job on the host that is left, from
@@ -98,6 +100,29 @@ def test_a_rank_lost_before_the_first_collective_of_run_is_recovered(tmp_path):
         assert rep["returned"] == rep["batch"] == rep["iterations"] == steps, rep
         assert rep["seen"] == [float(EPOCHS)] * (PER_EPOCH * 12), "a sample lost or repeated"
         assert rep["sizes"] == [2] * steps, rep["sizes"]
+
+
+def test_ranks_lost_inside_accumulation_count_each_gradient_once(tmp_path):
+    """3 ranks, ``backward_passes_per_step=2``, a commit after every call: rank 1 killed
+    in call 5 (a reducing call: the survivors' reduction fails after each had added the
+    call's gradient and counted it), rank 2 in call 8 (a counting call, no collective:
+    the survivors learn of it in call 9). The accumulation counter and accumulators are
+    restored with the commit, so every call's gradient (exactly 1) is summed once:
+    ``w == -12`` after 12 calls. Before, the survivors kept the interrupted reducing call's
+    writes to them (counter and sums), and its redo counted instead of reducing: one
+    update lost, ``w == -10``."""
+    out = tmp_path / "r"
+    proc = subprocess.run([MATEXRUN, "--ft", "--horovod", "-n", "3", "--inject-fault",
+                           "rank=1,step=5,kind=kill; rank=2,step=8,kind=kill",
+                           str(SCRIPTS / "elastic_accumulate.py"), str(out), "12"],
+                          capture_output=True, text=True, timeout=300, env=_env(),
+                          cwd=tmp_path)
+    err = proc.stderr[-4000:]
+    assert proc.returncode == 0, err
+    done = _reports(out)
+    assert sorted(done) == [0], err
+    assert done[0] == {"w": -12.0, "batch": 12, "iterations": 12, "counter": 0, "size": 1}, \
+        (done[0], err)
 
 
 # ------------------------------------------------- a host lost with its Open MPI daemon

@@ -165,7 +165,7 @@ class Compressor:
         return "%s(min_size=%d)" % (type(self).__name__, self.min_size)
 
 
-class CompressorState(_recovery.State):
+class CompressorState(_recovery.SnapshotState):
     """A compressor's per-step state under the recovery loop's commit rule.
 
     A step writes the residuals, PowerSGD's Q and the step counter while it
@@ -180,25 +180,9 @@ class CompressorState(_recovery.State):
     """
 
     def __init__(self, compressor, counter):
-        self.compressor, self.counter = compressor, counter
-        self._at, self._saved = None, {}
-
-    def _all(self):
-        return self.compressor.shared_variables() + self.compressor.rank_variables()
-
-    def begin_step(self):
-        variables = self._all()
-        self._at = int(self.counter())
-        self._saved = {id(v): (v, value)
-                       for v, value in zip(variables, _recovery._snapshot(variables))}
-
-    def restore(self):
-        if self._at is not None and int(self.counter()) == self._at:
-            for v in self._all():
-                saved = self._saved.get(id(v))
-                v.assign(saved[1] if saved is not None and saved[0] is v
-                         else tf.zeros_like(v))
-        self._at = None
+        self.compressor = compressor
+        super().__init__(
+            lambda: compressor.shared_variables() + compressor.rank_variables(), counter)
 
     def sync(self):
         from matex import _collectives

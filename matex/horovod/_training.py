@@ -207,35 +207,24 @@ class HorovodReduction:
         self.counter.assign(0)
 
 
-class AccumulationState(_recovery.State):
+class AccumulationState(_recovery.SnapshotState):
     """``backward_passes_per_step``'s counter and accumulators under the recovery loop.
 
     A call that a rank failure interrupts may have added its gradients and counted
     itself before its update was committed: ``begin_step`` snapshots the counter and the
     accumulators, ``restore`` puts them back when the optimizer's iterations did not move
-    (the call's work was not committed on this rank). ``sync`` takes the lowest rank's
-    counter, so every survivor reduces at the same call; the accumulators are each rank's
-    own gradients and stay.
+    (the call's work was not committed on this rank; those made since are zeroed).
+    ``sync`` takes the lowest rank's counter, so every survivor reduces at the same call;
+    the accumulators are each rank's own gradients and stay.
     """
 
     def __init__(self, reduction: HorovodReduction, optimizer: Any) -> None:
         self.reduction, self.optimizer = reduction, optimizer
-        self._at: int | None = None
-        self._saved: list = []
+        super().__init__(self._variables, lambda: int(optimizer.iterations))
 
     def _variables(self) -> list:
         r = self.reduction
         return ([r.counter] if r.counter is not None else []) + list(r.accumulators.values())
-
-    def begin_step(self) -> None:
-        self._at = int(self.optimizer.iterations)
-        self._saved = [v.numpy() for v in self._variables()]
-
-    def restore(self) -> None:
-        if self._at is not None and int(self.optimizer.iterations) == self._at:
-            for v, value in zip(self._variables(), self._saved):
-                v.assign(value)
-        self._at = None
 
     def sync(self) -> None:
         if self.reduction.counter is not None:

@@ -3,9 +3,13 @@
 ``TensorFlowKerasState(model, optimizer, **objects)`` and
 ``TensorFlowState(variables, **objects)`` commit copies of the variables'
 values in host memory, put them back on ``restore`` and broadcast them from
-the root on ``sync``; ``run`` is ``matex.horovod.elastic.run`` (see there:
-MaTEx's recovery loop, and the write-through to disk under
-``matexrun --elastic``). Eager TensorFlow 2 only (TF1 sessions: ValueError).
+the root on ``sync``. A Keras state's commit also holds its optimizer's step
+states (``matex._recovery.step_states``: ``backward_passes_per_step``'s counter
+and accumulators, a compressor's residuals), put back with it, so a call that
+a rank loss interrupted leaves no trace in them.
+``run`` is ``matex.horovod.elastic.run`` (see there: MaTEx's recovery loop, and
+the write-through to disk under ``matexrun --elastic``). Eager TensorFlow 2
+only (TF1 sessions: ValueError).
 """
 
 from __future__ import annotations
@@ -72,12 +76,20 @@ class TensorFlowKerasState(_VariablesMixin, ObjectState):
             raise ValueError("hvd.elastic on MaTEx needs eager TensorFlow 2 (no TF1 session)")
         if hasattr(model, "build") and not model.built:
             raise ValueError("Model must be built first. Run `model.build(input_shape)`.")
+        from matex import _recovery
+
         self.model = model
         self.optimizer = optimizer if optimizer is not None else model.optimizer
         self.backend = backend
         self._build_optimizer()   # its slots exist from the first commit on
+        self._step_states = _recovery.step_states(self.optimizer, self._variables)
         self._save_values()
         super().__init__(**kwargs)
+
+    def _save_values(self) -> None:
+        super()._save_values()
+        for s in self._step_states:   # snapshots taken at the commit, put back with it
+            s.begin_step()
 
     def _optimizer_variables(self) -> list:
         if self.optimizer is None:
@@ -101,7 +113,10 @@ class TensorFlowKerasState(_VariablesMixin, ObjectState):
         super().save()
 
     def restore(self) -> None:
-        _assign(self._variables(), self._saved_values)
+        _assign(self._variables(), self._saved_values)   # iterations too: the commit's
+        for s in self._step_states:
+            s.restore()
+            s.begin_step()   # the commit stays the point to go back to
         super().restore()
 
     def sync(self) -> None:
@@ -113,6 +128,8 @@ class TensorFlowKerasState(_VariablesMixin, ObjectState):
         if self.optimizer is not None and any(_runtime.control().allgather(
                 bool(getattr(self.optimizer, "built", True)))):
             self._build_optimizer()
+        for s in self._step_states:   # rank 0's shared step state (the accumulation count)
+            s.sync()
         self._sync_values()
         _recovery.mark_first_step_synced(self.optimizer)   # this broadcast replaced it
         super().sync()
@@ -127,7 +144,8 @@ class TensorFlowKerasState(_VariablesMixin, ObjectState):
         super().load_committed(data["objects"])   # restore(): the variables too
 
     def arrays(self) -> list[np.ndarray]:
-        return _values(self._variables()) + super().arrays()
+        return (_values(self._variables()) + [a for s in self._step_states for a in s.arrays()]
+                + super().arrays())
 
 
 class TensorFlowState(_VariablesMixin, ObjectState):
