@@ -50,7 +50,7 @@ class _State:
         self.capture = None          # list collecting gradients (XLA split), or None
         self.strategy = None         # fewer synchronisations: _delayed.Delayed, localsgd
         self.compression = None      # a matex.compression compressor, or None
-        self.joined = []             # makers of its per-step states (_recovery.join)
+        self.joined = {}             # key -> maker of a per-step state (_recovery.join)
 
 
 class _DistributedMixin:
@@ -367,12 +367,12 @@ def DistributedOptimizer(optimizer: keras.optimizers.Optimizer | type | str,
     object.__setattr__(optimizer, "_matex", _State(op or "average", fusion_threshold))
     optimizer._matex.compression = compressor
     if compressor is not None:   # its residuals, Q and step counter
-        _recovery.join(optimizer, compressor.recovery_state)
+        _recovery.join(optimizer, "compressor", compressor.recovery_state)
     if delay:
         from matex import _delayed
 
         optimizer._matex.strategy = _delayed.Delayed()
-        _recovery.join(optimizer, optimizer._matex.strategy.recovery_state)   # request in flight
+        _recovery.join(optimizer, "delay", optimizer._matex.strategy.recovery_state)   # in flight
     inner = getattr(optimizer, "inner_optimizer", None)   # LossScaleOptimizer
     if inner is not None:
         object.__setattr__(inner, "_matex_reduced_by_wrapper", True)

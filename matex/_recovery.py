@@ -23,8 +23,8 @@ to launch with fault tolerance); any other error propagates as it is.
 through it (Horovod's elastic ``State``/``run`` and torchft's ``Manager`` are
 the prior art for this shape).
 
-Which states: per-step state joins a registry where it is made, instead of
-the loop probing for it. A model contributes its variables
+Which states: per-step state joins a registry where it is made, under a
+name (``join``, ``leave``), instead of the loop probing for it. A model contributes its variables
 (``model_state``); everything else joins its optimizer (``join``): a
 ``delay=1`` path's request in flight (``_delayed.DelayState``), Local SGD's
 and DiLoCo's rollback point (``localsgd.RollbackState``), a compressor's
@@ -229,17 +229,32 @@ def model_state(model, track_steps=True):
     return VariablesState(variables, counter, undo, after_sync)
 
 
-def join(optimizer, make: Callable[[Any, Callable[[], list]], State]) -> None:
-    """Make the state ``make(optimizer, variables)`` builds one of ``optimizer``'s step states.
+def join(optimizer, key: str, make: Callable[[Any, Callable[[], list]], State]) -> None:
+    """Register ``make`` under ``key``: ``make(optimizer, variables)`` builds one of
+    ``optimizer``'s step states. A state already under ``key`` is replaced (in its place).
 
-    Called where per-step state is made: a ``delay=1`` path (its request in
-    flight), a Local SGD/DiLoCo rule (its rollback point), a compressor given
-    to the optimizer (its residuals, Q and step counter). ``step_states``
+    Called where per-step state is made: a ``delay=1`` path (``"delay"``: its
+    request in flight), a Local SGD/DiLoCo rule (``"rollback"``), a compressor
+    given to the optimizer (``"compressor"``: residuals, Q and step counter),
+    Horovod's ``backward_passes_per_step`` (``"accumulation"``). ``step_states``
     builds them, in the order they joined, for each loop that runs steps.
     ``variables()``: the model's and the optimizer's variables, which a
     rollback puts back too.
     """
-    optimizer._matex.joined.append(make)
+    optimizer._matex.joined[key] = make
+
+
+def leave(optimizer, key: str) -> None:
+    """Remove the step state registered under ``key`` (nothing if there is none)."""
+    settings = getattr(optimizer, "_matex", None)
+    if settings is not None:
+        settings.joined.pop(key, None)
+
+
+def joined(optimizer) -> List[str]:
+    """The keys of ``optimizer``'s step states, in their order ([] if MaTEx did not
+    distribute it)."""
+    return list(getattr(getattr(optimizer, "_matex", None), "joined", {}))
 
 
 def step_states(optimizer, variables: Callable[[], list]) -> List[State]:
@@ -247,7 +262,7 @@ def step_states(optimizer, variables: Callable[[], list]) -> List[State]:
     optimizer MaTEx did not distribute. They go after the model's own state: their
     ``restore`` and ``sync`` run after its."""
     settings = getattr(optimizer, "_matex", None)
-    return [make(optimizer, variables) for make in getattr(settings, "joined", ())]
+    return [make(optimizer, variables) for make in getattr(settings, "joined", {}).values()]
 
 
 def model_states(model, track_steps: bool = True) -> List[State]:

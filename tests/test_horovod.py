@@ -362,6 +362,26 @@ def test_accumulation_fires_past_n_and_is_recovery_state():
     assert int(reduction.counter) == 0
 
 
+def test_wrapping_again_replaces_the_accumulation_state():
+    """The step-state registry is keyed: an optimizer wrapped by hvd.DistributedOptimizer
+    again holds one accumulation state, the new reduction's, and none once wrapped without
+    accumulation (before, each wrap appended one, the earlier reductions' kept alive)."""
+    import keras
+
+    import matex.horovod.tensorflow as hvd
+    from matex import _recovery
+    from matex.horovod._training import AccumulationState
+
+    opt = hvd.DistributedOptimizer(keras.optimizers.SGD(1.0), backward_passes_per_step=2)
+    opt = hvd.DistributedOptimizer(opt, backward_passes_per_step=3)
+    assert _recovery.joined(opt) == ["accumulation"]
+    (state,) = _recovery.step_states(opt, lambda: [])
+    assert isinstance(state, AccumulationState) and state.reduction is opt._matex.strategy
+    assert state.reduction.passes == 3
+    opt = hvd.DistributedOptimizer(opt)
+    assert _recovery.joined(opt) == [] and _recovery.step_states(opt, lambda: []) == []
+
+
 @pytest.mark.parametrize("source, expected", [
     ("import horovod.tensorflow as hvd\nhvd.init()\nprint(os.path.join('a', 'b'))", False),
     ("import horovod.tensorflow as hvd\nhvd.join()", True),

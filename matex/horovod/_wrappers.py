@@ -137,7 +137,10 @@ def _distributed_optimizer(optimizer, compression, sparse_as_dense, backward_pas
     state.strategy = _training.reduce_within(reduction, process_set)
     object.__setattr__(optimizer, "register_local_var", reduction.register_local_var)
     if backward_passes_per_step > 1:   # the counter and accumulators: recovery state
-        _recovery.join(optimizer, lambda opt, variables: reduction.recovery_state(opt))
+        _recovery.join(optimizer, "accumulation",
+                       lambda opt, variables: reduction.recovery_state(opt))
+    else:   # wrapped again without accumulation: the earlier reduction's state goes
+        _recovery.leave(optimizer, "accumulation")
     # Explicit, as Horovod's: it reduces what it is given, over its set, and broadcasts
     # nothing unasked (no first-step broadcast of rank 0's weights over every rank, which
     # hung a set training alone and overwrote local layers): the script broadcasts

@@ -217,7 +217,7 @@ def convert(optimizer, strategy):
                          "data parallelism with compression"
                          % (strategy.name, optimizer._matex.compression))
     optimizer._matex.strategy = strategy
-    _recovery.join(optimizer, strategy.recovery_state)   # its rollback point
+    _recovery.join(optimizer, "rollback", strategy.recovery_state)   # its rollback point
     return optimizer
 
 

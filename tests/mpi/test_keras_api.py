@@ -396,10 +396,18 @@ def test_step_states_are_those_that_joined():
 
     m = model(seed=1)
     m.compile(optimizer=matex.LocalSGD(keras.optimizers.SGD(0.1), sync_every=2), loss="mse")
-    _recovery.join(m.optimizer, lambda optimizer, variables: Counter())
+    _recovery.join(m.optimizer, "counter", lambda optimizer, variables: Counter())
     states = _recovery.model_states(m)
     assert [type(s) for s in states] == [_recovery.VariablesState, RollbackState, Counter]
     assert states[1].variables is states[0].variables   # a rollback puts the model back too
+    # keyed: a state registered again under its key replaces it, in its place; leave removes
+    assert _recovery.joined(m.optimizer) == ["rollback", "counter"]
+    _recovery.join(m.optimizer, "rollback", lambda optimizer, variables: Counter())
+    assert [type(s) for s in _recovery.model_states(m)] == [_recovery.VariablesState, Counter,
+                                                            Counter]
+    _recovery.leave(m.optimizer, "rollback")
+    _recovery.leave(m.optimizer, "absent")
+    assert _recovery.joined(m.optimizer) == ["counter"]
 
 
 def test_jit_compiled_fit_reports_exact_global_metrics():
