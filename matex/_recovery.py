@@ -272,8 +272,19 @@ def model_states(model, track_steps: bool = True) -> List[State]:
     return [state] + step_states(getattr(model, "optimizer", None), state.variables)
 
 
+# recoveries in a row that lost no rank before the loop gives up: each recovery that
+# shrinks the communicator removes a rank, so only these could repeat without end
+FRUITLESS_RECOVERIES = 3
+
+
 def run(body, states, on_recovered=None, callbacks=()):
-    """``body()``, run again on the survivors after each rank failure (see the module doc)."""
+    """``body()``, run again on the survivors after each rank failure (see the module doc).
+
+    Bounded: a recovery that lost no rank (the failure seen was not a lost rank the
+    shrink could remove) may repeat ``FRUITLESS_RECOVERIES`` times in a row; the next
+    raises ``RankFailure`` on every survivor (they agree on the shrink, hence on this).
+    """
+    fruitless = 0
     while True:
         try:
             return body()
@@ -285,7 +296,15 @@ def run(body, states, on_recovered=None, callbacks=()):
                     "matex: a rank failed and this job runs without fault tolerance; "
                     "launch with `matexrun --ft` (ULFM) to continue on the survivors, or "
                     "`matexrun --restart N` to restart from checkpoints") from exc
+            failure = exc
         info = _resilience.recover()
+        fruitless = fruitless + 1 if info.new_size >= info.old_size else 0
+        if fruitless > FRUITLESS_RECOVERIES:
+            raise RankFailure(
+                "matex: %d recoveries in a row lost no rank (the communicator kept its %d "
+                "ranks), and the work failed again each time: giving up on the recovery "
+                "loop; the last error: %s: %s" % (fruitless, info.new_size,
+                                                   type(failure).__name__, failure)) from failure
         started = time.time()
         for state in states:
             state.restore()

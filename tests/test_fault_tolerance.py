@@ -355,6 +355,35 @@ def test_an_mpi_error_of_another_class_is_a_rank_failure_when_one_is_known(monke
     assert not _resilience.is_failure(op_error)
 
 
+def test_the_recovery_loop_gives_up_after_recoveries_that_lose_no_rank(monkeypatch):
+    """A failure the shrink cannot remove (no rank lost, the same error again) ends the
+    loop with RankFailure after FRUITLESS_RECOVERIES of them in a row; a recovery that
+    did lose a rank starts the count again. Before, the loop retried without end."""
+    from matex import _recovery, _resilience
+    from matex.errors import RankFailure
+
+    losses = iter([(4, 4), (4, 4), (4, 3)] + [(3, 3)] * 10)   # (old size, new size)
+    calls = []
+
+    def recover():
+        old, new = next(losses)
+        return _resilience.RankLoss([] if new == old else [3], old, new, 0.0, 0.0)
+
+    def body():
+        calls.append(1)
+        raise RuntimeError("the same failure")
+
+    monkeypatch.setattr(_resilience, "mode", lambda: "ulfm")
+    monkeypatch.setattr(_resilience, "is_failure", lambda exc: True)
+    monkeypatch.setattr(_resilience, "recover", recover)
+    monkeypatch.setattr(_resilience, "check_replicas", lambda arrays: None)
+    monkeypatch.setattr(_resilience, "notify", lambda info, callbacks: None)
+    with pytest.raises(RankFailure, match="recoveries in a row lost no rank.*the same failure"):
+        _recovery.run(body, [])
+    # 2 fruitless, 1 that lost a rank, then FRUITLESS_RECOVERIES + 1 fruitless: raised
+    assert len(calls) == 3 + _recovery.FRUITLESS_RECOVERIES + 1
+
+
 # mid-training; and while the script's tf.function is first traced (a failure
 # inside that first trace left TensorFlow refusing to create the step's variables
 # in any later trace: every survivor died)
