@@ -36,7 +36,7 @@ MaTEx promises for it (one check function per workload):
   (under ULFM it is 0 whatever the ranks did);
 * ``elastic`` (elastic_loop.py, a script written for Horovod, under ``matexrun
   --ft --horovod``): ``hvd.elastic.run`` over a custom loop committing every
-  step (180), then Horovod's elastic Keras recipe (``fit`` with a ``KerasState``
+  step (450), then Horovod's elastic Keras recipe (``fit`` with a ``KerasState``
   and the three elastic callbacks, committing at epoch ends): exit 0, every
   survivor finishes both, equal digests after each, every step committed once
   (``iterations`` equals the steps), every sample trained once per epoch, the
@@ -251,7 +251,7 @@ WORKLOADS = {
     "search": (["chaos_search.py", "{out}", "8", "2"], _check_search(8)),
     "pipeline": (["chaos_pipeline.py", "{out}", "3"], _check_pipeline(3, 256)),
     # a script written for Horovod (tests/scripts/elastic_loop.py), under --horovod
-    "elastic": (["elastic_loop.py", "{out}", "60", "3", "fit"], _check_elastic(60, 3)),
+    "elastic": (["elastic_loop.py", "{out}", "150", "3", "fit"], _check_elastic(150, 3)),
 }
 FLAGS = {"elastic": ["--horovod"]}   # matexrun's flags beyond --ft -n 4, per workload
 CHOSEN = [w.strip() for w in os.environ.get("MATEX_CHAOS_WORKLOADS",
