@@ -380,6 +380,11 @@ def test_wrapping_again_replaces_the_accumulation_state():
     assert state.reduction.passes == 3
     opt = hvd.DistributedOptimizer(opt)
     assert _recovery.joined(opt) == [] and _recovery.step_states(opt, lambda: []) == []
+    # Horovod's own message, word for word (a rename once wrote "_api.Average" into it)
+    with pytest.raises(ValueError, match=r"^gradient_predivide_factor not supported with "
+                                         r"op != Average$"):
+        hvd.DistributedOptimizer(keras.optimizers.SGD(1.0), op=hvd.Sum,
+                                 gradient_predivide_factor=2.0)
 
 
 @pytest.mark.parametrize("source, expected", [

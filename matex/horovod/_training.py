@@ -290,7 +290,7 @@ def check_training_args(what: str, backward_passes_per_step: int = 1,
             or backward_passes_per_step <= 0):
         raise ValueError("backward_passes_per_step must be > 0")
     if gradient_predivide_factor != 1.0 and op != _api.Average:
-        raise ValueError("gradient_predivide_factor not supported with op != _api.Average")
+        raise ValueError("gradient_predivide_factor not supported with op != Average")
     if groups is not None or num_groups:
         import logging
 
@@ -339,8 +339,8 @@ def reduce_within(reduction: Any, process_set: Any) -> Any:
             else:
                 dense.append(i)
         reduced = _api.grouped_allreduce([grads[i] if not isinstance(grads[i], tf.IndexedSlices)
-                                     else tf.convert_to_tensor(grads[i]) for i in dense],
-                                    op=op, process_set=process_set)
+                                          else tf.convert_to_tensor(grads[i]) for i in dense],
+                                         op=op, process_set=process_set)
         for i, r in zip(dense, reduced):
             out[i] = r
         return out

@@ -114,18 +114,18 @@ def _distributed_optimizer(optimizer, compression, sparse_as_dense, backward_pas
             gradient_predivide_factor, average_aggregated_gradients, num_groups, groups,
             process_set, scale_local_gradients, local_layers, what)
     _training.check_training_args(what, backward_passes_per_step, gradient_predivide_factor, op,
-                         num_groups, groups, process_set)
+                                  num_groups, groups, process_set)
     if isinstance(optimizer, tf.compat.v1.train.Optimizer):   # TF1 graphs: matex.legacy
-        reduction = _training.HorovodReduction(_training.training_op(op, what),
-                                     _spec.from_spec(_training.compression_spec(compression)),
-                                     sparse_as_dense, backward_passes_per_step,
-                                     average_aggregated_gradients, local_layers or (),
-                                     scale_local_gradients)
+        reduction = _training.HorovodReduction(
+            _training.training_op(op, what),
+            _spec.from_spec(_training.compression_spec(compression)), sparse_as_dense,
+            backward_passes_per_step, average_aggregated_gradients, local_layers or (),
+            scale_local_gradients)
         return _optimizer_v1.horovod_optimizer(
             optimizer, _training.reduce_within(reduction, process_set), what)
     spec = _training.compression_spec(compression)
     optimizer = _optimizer.DistributedOptimizer(optimizer, op=_training.training_op(op, what),
-                                           compression=spec)
+                                                compression=spec)
     state = optimizer._matex
     if state.strategy is not None and not isinstance(state.strategy, _training.HorovodReduction):
         raise ValueError("%s: this optimizer already synchronises through %r"
@@ -153,11 +153,10 @@ def _distributed_tape(gradtape, compression, sparse_as_dense, op, gradient_predi
                       num_groups, groups, process_set, scale_local_gradients, local_layers, what):
     _transparent.explicit_layer_in_use("horovod")
     _training.check_training_args(what, 1, gradient_predivide_factor, op, num_groups, groups,
-                         process_set)
-    reduction = _training.HorovodReduction(_training.training_op(op, what),
-                                 _spec.from_spec(_training.compression_spec(compression)),
-                                 sparse_as_dense, local_layers=local_layers,
-                                 scale_local_gradients=scale_local_gradients)
+                                  process_set)
+    reduction = _training.HorovodReduction(
+        _training.training_op(op, what), _spec.from_spec(_training.compression_spec(compression)),
+        sparse_as_dense, local_layers=local_layers, scale_local_gradients=scale_local_gradients)
     return _training.horovod_tape(gradtape, _training.reduce_within(reduction, process_set))
 
 
