@@ -68,14 +68,19 @@ def need_scikit_learn():
     """Keras Tuner's BayesianOptimization imports scikit-learn: find it, or say how to get it."""
     import importlib.util
 
-    if importlib.util.find_spec("sklearn") is not None:
-        return
-    if os.path.isdir(os.path.join(BENCH_SITE, "sklearn")):
+    if importlib.util.find_spec("sklearn") is None:
+        if not os.path.isdir(os.path.join(BENCH_SITE, "sklearn")):
+            raise SystemExit("--algorithms kt_bo: Keras Tuner's BayesianOptimization needs "
+                             "scikit-learn, not found (pip install 'matex[bench]', or `make` "
+                             "puts it in %s); --algorithms lazy_bo,random,genetic leaves it out"
+                             % BENCH_SITE)
         sys.path.insert(0, BENCH_SITE)      # the spawned search workers inherit sys.path
-        return
-    raise SystemExit("--algorithms kt_bo: Keras Tuner's BayesianOptimization needs scikit-learn, "
-                     "not found (pip install 'matex[bench]', or `make` puts it in %s); "
-                     "--algorithms lazy_bo,random,genetic leaves it out" % BENCH_SITE)
+    try:            # here, not in a worker: Keras Tuner hides the reason behind its own message
+        import sklearn.gaussian_process  # noqa: F401
+    except ImportError as error:
+        raise SystemExit("--algorithms kt_bo: scikit-learn does not import: %s (its "
+                         "requirements; `make` installs them in %s)" % (error, BENCH_SITE))
+
 
 ALGORITHMS = {   # name: description
     "random": "Keras Tuner RandomSearch",
