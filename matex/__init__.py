@@ -39,6 +39,7 @@ if not _self_check():
 from matex import _cpu as _cpu_module  # noqa: E402
 
 _cpu_module.set_mpi_wait_policy()
+_cpu_module.set_mpi_transports()    # on one node, no 1-s libfabric probe in MPI_Init
 
 if _config.ft_requested():
     # Under ULFM (mpiexec --with-ft ulfm) MPI_Finalize can wait forever on the

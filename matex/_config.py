@@ -204,6 +204,18 @@ def launched_size():
     return launched[1] if launched is not None else None
 
 
+def launched_on_one_node() -> bool | None:
+    """Whether every rank of this job runs on this node, from the launcher's environment
+    (before MPI starts): True for a process no launcher started, None when the launcher
+    does not say (only Open MPI's gives the node's share, ``OMPI_COMM_WORLD_LOCAL_SIZE``)."""
+    if _launcher() is None:
+        return True
+    size, local = _get("OMPI_COMM_WORLD_SIZE"), _get("OMPI_COMM_WORLD_LOCAL_SIZE")
+    if size.isdigit() and local.isdigit():
+        return size == local
+    return None
+
+
 def ft_requested() -> bool:
     """Whether the launcher asked for ULFM (``mpiexec --with-ft ulfm``); no MPI needed."""
     return _get("OMPI_MCA_mpi_ft_enable").lower() in ("1", "true", "yes")
@@ -310,6 +322,10 @@ _register("MATEX_MPI_WAIT", "yield", """How a rank waits in MPI (Open MPI): `yie
 
 _register("MATEX_MPI_WAIT_SET", "", """The `OMPI_MCA_mpi_yield_when_idle` MaTEx set, so that a
     process started from a MaTEx process tells it from one the user set.""", "internal")
+
+
+_register("MATEX_MPI_BTL_SET", "", """The `OMPI_MCA_btl` MaTEx set (`^ofi`, on one node), so that
+    a process started from a MaTEx process tells it from one the user set.""", "internal")
 
 
 def mpi_wait() -> str:

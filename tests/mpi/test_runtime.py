@@ -151,6 +151,33 @@ def test_monitor_restarts_its_exchanges_alike_after_a_recovery():
     assert len(set(_runtime.control().allgather(cb.next_exchange))) == 1
 
 
+def test_on_one_node_mpi_starts_without_the_libfabric_transport(monkeypatch):
+    # this rank's job is on one node: ``import matex`` left Open MPI's ofi BTL out
+    assert os.environ.get("OMPI_MCA_btl") == "^ofi"
+    names = ("OMPI_MCA_btl", "MATEX_MPI_BTL_SET", "OMPI_COMM_WORLD_SIZE",
+             "OMPI_COMM_WORLD_LOCAL_SIZE", "OMPI_COMM_WORLD_RANK", "PMIX_RANK", "PMI_RANK",
+             "MV2_COMM_WORLD_RANK", "SLURM_PROCID")
+    for name in names:
+        monkeypatch.setenv(name, "")   # recorded, so that the test's values are undone
+        monkeypatch.delenv(name)
+    assert _cpu.set_mpi_transports() == "^ofi"             # no launcher: a singleton
+    monkeypatch.setenv("OMPI_COMM_WORLD_RANK", "1")
+    monkeypatch.setenv("OMPI_COMM_WORLD_SIZE", "4")
+    monkeypatch.setenv("OMPI_COMM_WORLD_LOCAL_SIZE", "4")
+    assert _cpu.set_mpi_transports() == "^ofi"             # 4 ranks, all of them here
+    monkeypatch.setenv("OMPI_COMM_WORLD_LOCAL_SIZE", "2")  # two nodes: MaTEx's value taken back
+    assert _cpu.set_mpi_transports() is None
+    assert "OMPI_MCA_btl" not in os.environ and "MATEX_MPI_BTL_SET" not in os.environ
+    for name in ("OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE", "OMPI_COMM_WORLD_LOCAL_SIZE"):
+        monkeypatch.delenv(name)
+    monkeypatch.setenv("PMIX_RANK", "0")                   # a launcher that does not say
+    assert _cpu.set_mpi_transports() is None and "OMPI_MCA_btl" not in os.environ
+    monkeypatch.delenv("PMIX_RANK")
+    monkeypatch.setenv("OMPI_MCA_btl", "self,sm,ofi")      # the user's: stands
+    assert _cpu.set_mpi_transports() is None
+    assert os.environ["OMPI_MCA_btl"] == "self,sm,ofi"
+
+
 def test_a_waiting_rank_yields_its_core_unless_told_otherwise(monkeypatch):
     # this rank started MPI yielding (``import matex`` set it, or the harness's did)
     assert os.environ.get("OMPI_MCA_mpi_yield_when_idle") == "1"
