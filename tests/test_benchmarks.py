@@ -272,3 +272,15 @@ def test_cpu_defaults_driver(tmp_path):
         assert float(rate) > 0 and processes == ("1" if configuration == "plain" else "2")
         if configuration == "plain":
             assert ratio == "1.00", rows
+
+
+def test_mpi_start_driver(tmp_path):
+    """Both variants started MPI on 2 ranks; MaTEx's left the libfabric BTL out, the
+    reference had no OMPI_MCA_btl (the driver's own ``import matex`` did not leak)."""
+    stdout, results = run_driver("mpi_start", tmp_path)
+    assert results["open-mpi"]["btl"] == "" and results["matex"]["btl"] == "^ofi", results
+    rows = table_rows(stdout)
+    assert [row[0] for row in rows] == ["open-mpi", "matex"], stdout
+    for variant, btl, start, start_ratio, job, job_ratio in rows:
+        assert float(start) > 0 and float(job) >= float(start), rows
+    assert rows[0][3] == rows[0][5] == "1.00", rows
