@@ -107,8 +107,9 @@ class State:
     def restore(self) -> None:
         """Undo this rank's uncommitted work (local)."""
 
-    def sync(self) -> None:
-        """Take the new rank 0's values (collective)."""
+    def sync(self, root: int = 0) -> None:
+        """Take rank ``root``'s values (collective): the recovery loop's new rank 0, or
+        ``hvd.elastic``'s survivor with the most commits."""
 
     def arrays(self) -> list:
         """NumPy arrays that must be bitwise equal on every rank after ``sync`` (digested)."""
@@ -173,8 +174,9 @@ class VariablesState(State):
                 v.assign(value)
         self._at = None
 
-    def sync(self):
-        """Take the lowest rank's values that holds every variable any survivor holds.
+    def sync(self, root: int = 0):
+        """Take ``root``'s values if it holds every variable any survivor holds, else
+        the lowest rank's that does.
 
         A rank can fail before every survivor's variables hold a value: one
         created while the first step was traced gets its value when that step
@@ -195,7 +197,8 @@ class VariablesState(State):
                 "different numbers of model and optimizer variables (%s)" % ", ".join(
                     "rank %d: %d" % (r, len(m)) for r, m in enumerate(everyone)))
         held = [any(column) for column in zip(*everyone)]
-        root = next((r for r, m in enumerate(everyone) if m == held), None)
+        if everyone[root] != held:
+            root = next((r for r, m in enumerate(everyone) if m == held), None)
         if root is None:
             raise MismatchError(
                 "matex: cannot re-synchronise after a rank failure: no survivor holds a "

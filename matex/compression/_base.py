@@ -184,10 +184,10 @@ class CompressorState(_recovery.SnapshotState):
         super().__init__(
             lambda: compressor.shared_variables() + compressor.rank_variables(), counter)
 
-    def sync(self):
+    def sync(self, root=0):
         from matex import _collectives
 
-        _collectives.broadcast_variables(self.compressor.shared_variables(), 0)
+        _collectives.broadcast_variables(self.compressor.shared_variables(), root)
 
     def arrays(self):
         return [v.numpy() for v in self.compressor.shared_variables()]

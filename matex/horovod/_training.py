@@ -214,7 +214,7 @@ class AccumulationState(_recovery.SnapshotState):
     itself before its update was committed: ``begin_step`` snapshots the counter and the
     accumulators, ``restore`` puts them back when the optimizer's iterations did not move
     (the call's work was not committed on this rank; those made since are zeroed).
-    ``sync`` takes the lowest rank's counter, so every survivor reduces at the same call;
+    ``sync`` takes ``root``'s counter, so every survivor reduces at the same call;
     the accumulators are each rank's own gradients and stay.
     """
 
@@ -226,9 +226,9 @@ class AccumulationState(_recovery.SnapshotState):
         r = self.reduction
         return ([r.counter] if r.counter is not None else []) + list(r.accumulators.values())
 
-    def sync(self) -> None:
+    def sync(self, root: int = 0) -> None:
         if self.reduction.counter is not None:
-            _collectives.broadcast_variables([self.reduction.counter], 0)
+            _collectives.broadcast_variables([self.reduction.counter], root)
 
     def arrays(self) -> list:
         counter = self.reduction.counter

@@ -232,7 +232,8 @@ class _Recovering(_recovery.State):
         self.state.restore()
         self.state.on_reset()
 
-    def sync(self) -> None:
+    def sync(self, root: int = 0) -> None:
+        """``root`` aside: Horovod's states come from the survivor with the most commits."""
         _sync(self.state)
         self.synced.append(True)
 

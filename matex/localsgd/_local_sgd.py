@@ -195,10 +195,10 @@ class RollbackState(_recovery.State):
         for v, value in zip(everything, self.saved):
             v.assign(value)
 
-    def sync(self):
-        _collectives.broadcast_variables(list(self.strategy.own_variables()), 0)
+    def sync(self, root=0):
+        _collectives.broadcast_variables(list(self.strategy.own_variables()), root)
         self.at = None
-        self.begin_step()   # everyone now holds the new rank 0's synchronised state
+        self.begin_step()   # everyone now holds the root's synchronised state
 
     def arrays(self):
         return [tf.convert_to_tensor(v).numpy() for v in self.strategy.own_variables()]

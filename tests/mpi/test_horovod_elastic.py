@@ -78,6 +78,29 @@ def test_keras_state_commit_restore_and_sync():
         other.variables + list(other_optimizer.variables), committed))
 
 
+def test_keras_state_takes_the_accumulation_count_from_the_rank_with_the_most_commits():
+    """``backward_passes_per_step``'s counter comes from the same survivor as the model:
+    the one with the most commits (before, the counter always came from rank 0, so a
+    survivor a commit ahead took rank 0's older count with its own newer model)."""
+    import tensorflow as tf
+
+    model, _ = _model()
+    optimizer = hvd.DistributedOptimizer(keras.optimizers.SGD(0.1), backward_passes_per_step=3)
+    optimizer.build(model.trainable_variables)
+    reduction = optimizer._matex.strategy
+    reduction.counter = tf.Variable(0, dtype=tf.int64, trainable=False)
+    state = hvd.elastic.KerasState(model, optimizer)
+    state.commit()
+    if R == N - 1:   # the last rank counted one call more, and committed it
+        reduction.counter.assign(2)
+        state.commit()
+    else:
+        reduction.counter.assign(1)
+    elastic._sync(state)
+    assert int(reduction.counter.numpy()) == 2 and state._commits == 2
+    assert all_equal_bytes(model.get_weights())
+
+
 def _shared_dir(tmp_path):
     """Rank 0's temporary directory, named to every rank (one machine)."""
     return matex.broadcast_object(str(tmp_path), 0)

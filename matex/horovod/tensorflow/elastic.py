@@ -128,8 +128,8 @@ class TensorFlowKerasState(_VariablesMixin, ObjectState):
         if self.optimizer is not None and any(_runtime.control().allgather(
                 bool(getattr(self.optimizer, "built", True)))):
             self._build_optimizer()
-        for s in self._step_states:   # rank 0's shared step state (the accumulation count)
-            s.sync()
+        for s in self._step_states:   # the root's shared step state (the accumulation count)
+            s.sync(self._root)
         self._sync_values()
         _recovery.mark_first_step_synced(self.optimizer)   # this broadcast replaced it
         super().sync()
