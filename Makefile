@@ -9,6 +9,7 @@ STAMP  := $(VENV)/.matex-installed
 # whenever it is importable, 1.2 s of each TensorFlow start-up, and only benchmarks/hpo.py's
 # Keras Tuner baseline uses it (that driver puts this folder on its own path)
 BENCH_SITE := $(VENV)/bench-site
+SCIKIT_LEARN := scikit-learn>=1.5,<1.10
 
 export OMPI_ALLOW_RUN_AS_ROOT := 1
 export OMPI_ALLOW_RUN_AS_ROOT_CONFIRM := 1
@@ -32,10 +33,13 @@ $(STAMP): setup.py pyproject.toml matex/_version.py
 	# the extra [tf-keras] (Keras 2), without its `tensorflow` requirement, which would
 	# install the CUDA build over tensorflow-cpu
 	$(PY) -m pip install -q --no-deps "tf-keras>=2.21,<2.22"
-	# scikit-learn and its own requirements less numpy and scipy, which the virtualenv has;
-	# the import check fails here, not in a benchmark, when that list goes stale
-	$(PY) -m pip install -q --no-deps --upgrade --target $(BENCH_SITE) \
-		"scikit-learn>=1.5,<1.10" joblib threadpoolctl narwhals
+	# scikit-learn and what it needs beyond the virtualenv, as pip resolves it (a list kept
+	# by hand went stale twice), off the path; the import is checked here, not in a benchmark
+	$(PY) -m pip install -q --dry-run --report $(VENV)/bench-site.json "$(SCIKIT_LEARN)"
+	$(PY) -m pip install -q --no-deps --upgrade --target $(BENCH_SITE) $$($(PY) -c \
+		"import json, sys; print(' '.join('%s==%s' % (i['metadata']['name'], \
+		i['metadata']['version']) for i in json.load(open(sys.argv[1]))['install']))" \
+		$(VENV)/bench-site.json)
 	PYTHONPATH=$(BENCH_SITE) $(PY) -c "import sklearn.gaussian_process"
 	@touch $(STAMP)
 

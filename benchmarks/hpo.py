@@ -74,7 +74,7 @@ def need_scikit_learn():
                              "scikit-learn, not found (pip install 'matex[bench]', or `make` "
                              "puts it in %s); --algorithms lazy_bo,random,genetic leaves it out"
                              % BENCH_SITE)
-        sys.path.insert(0, BENCH_SITE)      # the spawned search workers inherit sys.path
+        sys.path.append(BENCH_SITE)   # after the virtualenv; spawned workers inherit sys.path
     try:            # here, not in a worker: Keras Tuner hides the reason behind its own message
         import sklearn.gaussian_process  # noqa: F401
     except ImportError as error:
