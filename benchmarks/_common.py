@@ -52,20 +52,27 @@ def launch_env():
     return env
 
 
-def run_phase(script, worker, nranks, args=(), mpi_args=(), timeout=1800):
-    """Run ``script --worker worker args`` on ``nranks`` ranks; return rank 0's result dict."""
+def run_phase(script, worker, nranks, args=(), mpi_args=(), timeout=1800, mpi4py_runner=True,
+              unset=()):
+    """Run ``script --worker worker args`` on ``nranks`` ranks; return rank 0's result dict.
+
+    ``mpi4py_runner=False`` runs the script itself, which then starts MPI when it imports
+    ``mpi4py.MPI``; ``unset``: variables of this process the job does not inherit.
+    """
     from matex import launcher
 
     # mpi4py's runner aborts the whole job on an uncaught exception. Not
     # ``python -m matex``: it would make the Keras baselines distributed too.
-    program = [sys.executable, "-m", "mpi4py", os.path.abspath(script), "--worker", worker]
-    if "--with-ft" in mpi_args:
+    program = [sys.executable] + (["-m", "mpi4py"] if mpi4py_runner else []) + [
+        os.path.abspath(script), "--worker", worker]
+    if "--with-ft" in mpi_args and mpi4py_runner:
         # as ``import matex`` does under ULFM: no MPI_Finalize, which can wait forever once
         # a rank has died (here mpi4py starts MPI before the script imports matex)
         program[3:3] = ["-rc", "finalize=false"]
     cmd = launcher.mpiexec_command(nranks, program + list(args), mpi_args=mpi_args)
     try:
-        proc = launcher.run_captured(cmd, env=launch_env(), timeout=timeout)
+        env = {k: v for k, v in launch_env().items() if k not in unset}
+        proc = launcher.run_captured(cmd, env=env, timeout=timeout)
     except subprocess.TimeoutExpired as exc:
         raise SystemExit("benchmark phase %r timed out after %ss: %s"
                          % (worker, timeout, " ".join(cmd))) from exc

@@ -19,8 +19,6 @@ over rounds), the whole job's wall time, and each against ``open-mpi``.
 
 import os
 import statistics
-import subprocess
-import sys
 import time
 
 import _common
@@ -42,25 +40,12 @@ def worker(variant):
 
 
 def run(variant):
-    """One job; (rank 0's result, the job's wall seconds)."""
-    from matex import launcher
-
-    env = _common.launch_env()
-    for name in ("OMPI_MCA_btl", "MATEX_MPI_BTL_SET"):   # the driver's own `import matex`
-        env.pop(name, None)
-    cmd = launcher.mpiexec_command(RANKS, [sys.executable, os.path.abspath(__file__),
-                                           "--worker", variant])
+    """One job; (rank 0's result, the job's wall seconds). MPI starts in the worker, after
+    its imports; the driver's own ``import matex`` set variables the job must not get."""
     started = time.perf_counter()
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
-    wall = time.perf_counter() - started
-    lines = [line[len(_common.RESULT_MARK):] for line in proc.stdout.splitlines()
-             if line.startswith(_common.RESULT_MARK)]
-    if proc.returncode != 0 or len(lines) != 1:
-        raise SystemExit("variant %r failed (exit %d): %s\n%s" % (
-            variant, proc.returncode, " ".join(cmd), proc.stderr[-4000:]))
-    import json
-
-    return json.loads(lines[0]), wall
+    result = _common.run_phase(__file__, variant, RANKS, timeout=300, mpi4py_runner=False,
+                               unset=("OMPI_MCA_btl", "MATEX_MPI_BTL_SET"))
+    return result, time.perf_counter() - started
 
 
 def main():
