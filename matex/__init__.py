@@ -70,6 +70,12 @@ from matex import _stall as _stall_module  # noqa: E402
 
 _stall_module.install_early_signal_handler()
 
+# in a job of several ranks, an uncaught exception on one rank ends the job (under ULFM:
+# that rank) instead of leaving the others waiting in a collective for ever
+from matex import _resilience as _resilience_module  # noqa: E402
+
+_resilience_module.install_excepthook()
+
 # MaTEx's custom Keras layers (StageBoundary, the tensor-parallel layers) load with
 # keras.saving.load_model after `import matex`: registered once Keras is loaded
 from matex.parallel import _saving as _layer_saving  # noqa: E402

@@ -179,6 +179,7 @@ def _run(argv):
         code = code or 0
     except BaseException:  # noqa: BLE001 - any failure must end the whole job
         _abort_job()
+        code = 1
     finally:
         sys.stdout.flush()
     _report_exit(rank, code)
@@ -239,21 +240,11 @@ def _install_tuner_hook(module):
 
 
 def _abort_job():
-    # Under ULFM this rank alone dies and the others recover; otherwise the
-    # whole job is aborted so that no rank hangs in a collective.
+    # Under ULFM this rank alone dies and the others recover; otherwise every rank
+    # ends with its error, or the whole job is aborted so that no rank hangs.
     from matex import _resilience
 
-    text = traceback.format_exc()
-    if _resilience.mode() == "ulfm":
-        _resilience.die_like_a_crash(text)
-    from mpi4py import MPI
-
-    rank = MPI.COMM_WORLD.Get_rank()
-    sys.stderr.write("".join("[rank %d] %s\n" % (rank, line) for line in text.splitlines()))
-    sys.stderr.flush()
-    if MPI.COMM_WORLD.Get_size() > 1:
-        MPI.COMM_WORLD.Abort(1)
-    os._exit(1)
+    _resilience.end_job(traceback.format_exc())
 
 
 if __name__ == "__main__":

@@ -351,9 +351,57 @@ def die_like_a_crash(text):
     os.kill(os.getpid(), signal.SIGKILL)
 
 
-def install_excepthook():
-    """Under ULFM, an uncaught exception ends only its rank, as a crash would."""
+# how long a rank ending on an error waits for its peers to end too before it aborts the job
+LEAVE_TOGETHER_S = 2.0
+
+
+def end_job(text: str) -> None:
+    """End this rank on an error it raised, ``text`` being its traceback, never leaving a
+    peer to hang.
+
+    Under ULFM the rank vanishes as a crash would (``die_like_a_crash``) and the
+    survivors go on. Otherwise ``text`` goes to stderr, prefixed with the rank
+    when the job has several; then, if every rank reaches this within
+    ``LEAVE_TOGETHER_S`` (they all raised: an error agreed on every rank), this
+    returns and the process ends normally; if not, some peer waits in MPI for
+    this rank (a collective of the step it left), and the whole job is aborted
+    (``MPI_Abort``) instead of hanging. Open MPI's ``MPI_Finalize`` waits for
+    every rank, so a rank that simply exited would hang too.
+    """
+    if mode() == "ulfm":
+        die_like_a_crash(text)
+    size = _config.launched_size() or 1
+    if size > 1:
+        rank = _config.launched_rank()
+        text = "".join("[rank %d] %s\n" % (rank, line) for line in text.splitlines())
+    sys.stderr.write(text)
+    sys.stderr.flush()
+    sys.stdout.flush()
+    mpi = sys.modules.get("mpi4py.MPI")
+    if size < 2 or mpi is None or not mpi.Is_initialized() or mpi.Is_finalized():
+        return
+    if not _runtime.leave_together(LEAVE_TOGETHER_S):
+        mpi.COMM_WORLD.Abort(1)
+
+
+def install_excepthook(ulfm: bool = False) -> None:
+    """An uncaught exception ends the job through ``end_job`` instead of leaving the other
+    ranks waiting in a collective for ever.
+
+    Without ULFM (``import matex``): in a job of several ranks, unless the script set
+    its own hook first or the session is interactive. ``ulfm=True`` (the Keras patch
+    under ULFM): its rank alone ends, as a crash would. Without the hook a ULFM rank
+    that raises just exits (``MPI_Finalize`` is skipped there), which the survivors
+    also recover from.
+    """
+    if ulfm:
+        if mode() != "ulfm":
+            return
+    elif (hasattr(sys, "ps1") or sys.flags.interactive or _config.ft_requested()
+          or (_config.launched_size() or 1) < 2 or sys.excepthook is not sys.__excepthook__):
+        return
+
     def hook(kind, value, tb):
-        die_like_a_crash("".join(traceback.format_exception(kind, value, tb)))
+        end_job("".join(traceback.format_exception(kind, value, tb)))
 
     sys.excepthook = hook

@@ -48,6 +48,7 @@ _control = None     # duplicate of _comm for MaTEx's Python-level messages
 _local = None       # ranks of _comm sharing this node
 _owned = False      # whether MaTEx created _comm (then it frees it when replaced)
 _cross = None       # (cross rank, cross size, homogeneous) of _comm, computed with it
+_farewell = None    # duplicate of MPI_COMM_WORLD for leave_together() alone (no ULFM)
 control_class = None   # while matex.hpo searches: the class of new control communicators
 _peers = None       # world rank -> (hostname, pid) of the ranks alive at start-up (ULFM)
 
@@ -73,6 +74,7 @@ def init(comm: MPI.Intracomm | None = None) -> None:
     ``MATEX_START_TIMEOUT`` seconds, the ranks that did raise an error instead
     of hanging.
     """
+    global _farewell
     with _lock:
         if _comm is not None and comm is None:
             return
@@ -87,9 +89,33 @@ def init(comm: MPI.Intracomm | None = None) -> None:
             MPI.COMM_WORLD.Set_errhandler(MPI.ERRORS_RETURN)
             _wait_for_every_rank(MPI.COMM_WORLD)
             _set_comm(MPI.COMM_WORLD.Dup())
+            if _farewell is None:
+                _farewell = MPI.COMM_WORLD.Dup()
         from matex import _cpu
 
         _cpu.size_pools(_local)   # before TensorFlow makes its thread pools
+
+
+def leave_together(timeout: float) -> bool:
+    """Whether every rank of the job reaches this call within ``timeout`` seconds.
+
+    For a rank ending on an uncaught error (``_resilience.end_job``): when every
+    rank raised (an error agreed on every rank), they may all end normally;
+    otherwise some peer is still waiting in MPI for this rank, and the job must
+    be aborted. A non-blocking barrier on a communicator used for nothing else,
+    so it can never match a collective a peer is blocked in. False when MaTEx
+    did not start on ``MPI_COMM_WORLD`` itself (no such communicator).
+    """
+    comm = _farewell
+    if comm is None:
+        return False
+    request = comm.Ibarrier()
+    deadline = time.monotonic() + timeout
+    while not request.Test():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.01)
+    return True
 
 
 _THREAD_LEVELS = ("SINGLE", "FUNNELED", "SERIALIZED", "MULTIPLE")

@@ -71,6 +71,35 @@ def test_exception_on_one_rank_ends_the_whole_job_with_its_traceback(tmp_path):
     assert "[rank 1]" in proc.stderr and "RuntimeError: boom on rank 1" in proc.stderr
 
 
+IMPORTING_SCRIPT = textwrap.dedent("""
+    import sys
+    import matex
+    from mpi4py import MPI
+    matex.init()
+    failing = [int(r) for r in sys.argv[1].split(",")]
+    if matex.rank() in failing:
+        raise OSError("corrupt shard on rank %d" % matex.rank())
+    matex.comm().Barrier()   # as a peer waits in a step's collective: for ever, unless ended
+""")
+
+
+@pytest.mark.parametrize("failing", ["1", "0,1"])
+def test_an_uncaught_exception_after_import_matex_never_leaves_a_rank_waiting(tmp_path, failing):
+    """``import matex`` alone (no ``python -m matex``): one rank's uncaught error aborts the
+    job with its traceback (its peer waits in a collective); an error on every rank ends
+    every rank normally with its own traceback, without ``MPI_Abort``."""
+    script = tmp_path / "importing.py"
+    script.write_text(IMPORTING_SCRIPT)
+    started = time.monotonic()
+    proc = mpitools.run_mpi(2, [sys.executable, str(script), failing], timeout=60)
+    assert proc.returncode != 0
+    assert time.monotonic() - started < 45, "ended by the timeout, not by MaTEx"
+    for rank in map(int, failing.split(",")):
+        assert "[rank %d] OSError: corrupt shard on rank %d" % (rank, rank) in proc.stderr, \
+            proc.stderr[-3000:]
+    assert ("MPI_ABORT was invoked" in proc.stderr) == (failing == "1"), proc.stderr[-3000:]
+
+
 def test_matexrun_prints_the_command_and_runs_the_script(tmp_path):
     matexrun = os.path.join(os.path.dirname(sys.executable), "matexrun")
     quiet = subprocess.run([matexrun, "-n", "2", _script(tmp_path), "0"], capture_output=True,

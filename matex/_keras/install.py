@@ -29,8 +29,7 @@ def install():
         _compat.warn_if_untested()
         _runtime.init()
         _transparent.seed_script_rngs()   # once; python -m matex did it before the script
-        if _resilience.mode() == "ulfm":
-            _resilience.install_excepthook()
+        _resilience.install_excepthook(ulfm=True)
         _optimizer._patch_keras_trainer()
         trainer, tf_trainer = _compat.trainer_class(), _compat.tf_trainer_class()
         patch(trainer, "compile", optimizers.compile_wrapper)
