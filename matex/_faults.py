@@ -127,12 +127,14 @@ def _fire(fault):
         raise InjectedFault("injected fault %r" % fault)
 
 
-def graph_hook(step_tensor):
-    """An op that runs ``maybe_fail(step, "allreduce")`` when executed (no-op if none planned)."""
+def graph_hook(step):
+    """An op that runs ``maybe_fail(step, "allreduce")`` when executed; None (and nothing
+    read from ``step``, a tensor or the step counter's variable) if no fault is planned."""
     import tensorflow as tf
 
     if not pending():
         return None
+    step_tensor = tf.convert_to_tensor(step)
 
     def hook(step):
         maybe_fail(int(step), "allreduce")

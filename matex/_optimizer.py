@@ -72,15 +72,21 @@ class _DistributedMixin:
             if not self.built:
                 self.build(trainable_variables)
                 self.built = True
+        alone = state.strategy is None and _reduce.nothing_to_reduce(state.compression)
         gate = None
         if not state.synced:
-            gate = self._matex_first_step_sync(
-                trainable_variables or _compat.optimizer_trainable_variables(self))
+            if alone:   # one rank: its weights are rank 0's
+                state.synced = True
+            else:
+                gate = self._matex_first_step_sync(
+                    trainable_variables or _compat.optimizer_trainable_variables(self))
         gates = [gate] if gate is not None else []
-        hook = _faults.graph_hook(tf.convert_to_tensor(self.iterations))
+        hook = _faults.graph_hook(self.iterations)
         if hook is not None:
             gates.append(hook)
         with tf.control_dependencies(gates):
+            if alone:   # nothing to reduce, no commit to order: plain Keras's update
+                return super().apply(grads, trainable_variables)
             if state.strategy is not None:   # delay=1 (_delayed), LocalSGD/DiLoCo (localsgd)
                 return state.strategy.apply(self, grads, trainable_variables, super().apply,
                                             state.op, state.rows)

@@ -38,6 +38,8 @@ class _DistributedTapeMixin:
                                  unconnected_gradients=unconnected_gradients)
         flat = tf.nest.flatten(grads, expand_composites=False)
         op, threshold, compressor = self._matex_settings
+        if _reduce.nothing_to_reduce(compressor):
+            return grads
         if op == "adasum":   # dense: Adasum combines whole vectors
             flat = [tf.convert_to_tensor(g) if isinstance(g, tf.IndexedSlices) else g
                     for g in flat]

@@ -218,3 +218,23 @@ def test_demo_explicit_use_is_not_sharded_twice_under_matexrun():
     assert "weights identical on all ranks: True" in proc.stdout
     accuracy = _last_number(proc.stdout, "test accuracy")
     assert len(accuracy) == 1 and accuracy[0] > 0.85, proc.stdout[-2000:]
+
+
+def test_at_one_rank_the_traced_steps_are_plain_keras_ops_and_train_the_same_weights():
+    """One process, no mpiexec: after ``import matex.keras``, ``fit``'s training step and a
+    custom loop's step with ``DistributedGradientTape`` have exactly plain Keras's ops (no
+    collective, no rows weighting, no first-step broadcast: #33's parity at one rank), and
+    ``fit`` trains the same weights bitwise. Before, the step had 53 more ops (347 vs 294)."""
+    proc = subprocess.run([sys.executable, str(ROOT / "tests" / "scripts" /
+                                               "one_rank_parity.py")],
+                          capture_output=True, text=True, timeout=300,
+                          env={**os.environ, "TF_CPP_MIN_LOG_LEVEL": "3"})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    result = json.loads(proc.stdout.splitlines()[-1])
+    assert result["same_weights"]
+    for step in ("step_ops", "loop_ops"):
+        plain, distributed = result["plain_" + step], result["matex_" + step]
+        assert sum(plain.values()) > 100, plain   # the step was traced
+        assert distributed == plain, {t: (plain.get(t, 0), distributed.get(t, 0))
+                                      for t in set(plain) | set(distributed)
+                                      if plain.get(t, 0) != distributed.get(t, 0)}

@@ -81,7 +81,7 @@ def get_metrics_result(original):
     @functools.wraps(original)
     def result(self):
         variables = [v for m in self.metrics for v in m.variables]
-        if not variables:
+        if not variables or _runtime.size() == 1:   # one rank: local is global
             return original(self)
         if not tf.executing_eagerly():   # a step traced: the way it reduces is marked
             lazy = getattr(_lazy, "active", False)

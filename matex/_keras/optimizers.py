@@ -2,7 +2,7 @@
 
 import functools
 
-from matex import _optimizer
+from matex import _optimizer, _runtime
 from matex._keras import batchnorm, strategies
 from matex._keras.calls import bind
 
@@ -46,8 +46,8 @@ def train_step_wrapper(original):
     """``fit``'s step weights gradients by this rank's rows (see ``matex._batch_slicing``)."""
     @functools.wraps(original)
     def step(self, data):
-        if not getattr(self, "_matex_weighted", False):
-            return original(self, data)
+        if not getattr(self, "_matex_weighted", False) or _runtime.size() == 1:
+            return original(self, data)   # (one rank: its rows are all the rows)
         with _optimizer.rows_of_step(self.optimizer, data) as step:
             with batchnorm.weighted_by(step.rows):   # synchronised BN's gradient weights
                 return original(self, data)

@@ -6,7 +6,7 @@ This is the single path ``DistributedOptimizer`` and ``DistributedGradientTape``
 
 import tensorflow as tf
 
-from matex import _collectives, _fusion, _sparse, _stats
+from matex import _collectives, _fusion, _runtime, _sparse, _stats
 from matex.compression._base import Item
 
 
@@ -24,6 +24,15 @@ def _name(names, variables, i):
 def _dense_bytes(shape, dtype):
     n = shape.num_elements()
     return None if n is None else n * dtype.size
+
+
+def nothing_to_reduce(compressor=None) -> bool:
+    """Whether the gradients reduced over the ranks are the gradients themselves: one rank
+    (the sum and the average of one contribution, and its share of the rows is all of
+    them) and no compressor (which changes them even there). The step is then built as
+    plain Keras's, with no collective and no weighting. Decided when the step is traced;
+    the communicator never grows while a job runs."""
+    return compressor is None and _runtime.size() == 1
 
 
 def reduce_gradients(grads, variables=None, compressor=None, op="average", threshold=None,

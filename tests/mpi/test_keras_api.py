@@ -566,3 +566,29 @@ def test_a_sparse_gradient_is_weighted_by_the_rows_that_ride_with_the_dense_ones
     for got, want in zip(m.get_weights(), reference.get_weights()):
         np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
     assert all_equal_bytes(m.get_weights())
+
+
+def test_a_step_traced_again_with_the_reduction_makes_matex_s_counters():
+    """A tf.function step traced first without MaTEx's reduction, then with it (Horovod's
+    elastic example does this): MaTEx's byte ledger is made in the second trace, where
+    tf.Variable raises "Creating variables on a non-first call". (Several ranks: at one
+    the tape reduces nothing.)"""
+    keras.utils.set_random_seed(0)
+    model = keras.Sequential([keras.Input((3,)), keras.layers.Dense(2)])
+    optimizer = keras.optimizers.SGD(0.1)
+    data = tf.ones([4, 3])
+
+    @tf.function
+    def step(reduce=True):
+        with tf.GradientTape() as tape:
+            loss = tf.reduce_sum(model(data))
+        if reduce:
+            tape = matex.DistributedGradientTape(tape)
+        grads = tape.gradient(loss, model.trainable_variables)
+        optimizer.apply_gradients(zip(grads, model.trainable_variables))
+
+    step(reduce=False)
+    step()
+    # each step: d(sum)/d(bias) = 4 rows per output, SGD 0.1 (equal data on every rank)
+    np.testing.assert_allclose(model.trainable_variables[1].numpy(), [-0.8, -0.8], rtol=1e-6)
+    assert matex.stats()["steps"] >= 1
