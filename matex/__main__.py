@@ -177,6 +177,10 @@ def _run(argv):
             print(code, file=sys.stderr)
             code = 1
         code = code or 0
+        if code and _config.launched_size() not in (None, 1) and not _config.ft_requested():
+            from matex import _resilience   # (ULFM: the survivors go on without this rank)
+
+            _resilience.leave_or_abort(code)   # a peer waiting for this rank must not hang
     except BaseException:  # noqa: BLE001 - any failure must end the whole job
         _abort_job()
         code = 1

@@ -376,12 +376,27 @@ def end_job(text: str) -> None:
         text = "".join("[rank %d] %s\n" % (rank, line) for line in text.splitlines())
     sys.stderr.write(text)
     sys.stderr.flush()
+    leave_or_abort(1, unknown="abort")
+
+
+def leave_or_abort(code: int, unknown: str = "leave") -> None:
+    """Return when every rank of the job reaches this within ``LEAVE_TOGETHER_S`` (they
+    all end: an error or exit status agreed on every rank), or when the job has one rank
+    or MPI is not running; otherwise abort the whole job with ``code``: some peer still
+    waits in MPI for this rank, which is ending with an error or a non-zero status
+    (without ULFM). Open MPI's launcher ends a job whose rank exits non-zero anyway, but
+    only after that rank's ``MPI_Finalize``, which waits for every rank.
+
+    ``unknown``: what to do when MaTEx never started (no communicator to meet on):
+    ``"abort"`` (an uncaught error) or ``"leave"`` (an exit status)."""
     sys.stdout.flush()
     mpi = sys.modules.get("mpi4py.MPI")
-    if size < 2 or mpi is None or not mpi.Is_initialized() or mpi.Is_finalized():
+    if ((_config.launched_size() or 1) < 2 or mpi is None or not mpi.Is_initialized()
+            or mpi.Is_finalized()):
         return
-    if not _runtime.leave_together(LEAVE_TOGETHER_S):
-        mpi.COMM_WORLD.Abort(1)
+    together = _runtime.leave_together(LEAVE_TOGETHER_S)
+    if together is False or (together is None and unknown == "abort"):
+        mpi.COMM_WORLD.Abort(code)
 
 
 def install_excepthook(ulfm: bool = False) -> None:

@@ -96,19 +96,19 @@ def init(comm: MPI.Intracomm | None = None) -> None:
         _cpu.size_pools(_local)   # before TensorFlow makes its thread pools
 
 
-def leave_together(timeout: float) -> bool:
+def leave_together(timeout: float) -> bool | None:
     """Whether every rank of the job reaches this call within ``timeout`` seconds.
 
     For a rank ending on an uncaught error (``_resilience.end_job``): when every
     rank raised (an error agreed on every rank), they may all end normally;
     otherwise some peer is still waiting in MPI for this rank, and the job must
     be aborted. A non-blocking barrier on a communicator used for nothing else,
-    so it can never match a collective a peer is blocked in. False when MaTEx
-    did not start on ``MPI_COMM_WORLD`` itself (no such communicator).
+    so it can never match a collective a peer is blocked in. None when MaTEx
+    did not start on ``MPI_COMM_WORLD`` itself (no such communicator: unknown).
     """
     comm = _farewell
     if comm is None:
-        return False
+        return None
     request = comm.Ibarrier()
     deadline = time.monotonic() + timeout
     while not request.Test():

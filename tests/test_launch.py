@@ -100,6 +100,26 @@ def test_an_uncaught_exception_after_import_matex_never_leaves_a_rank_waiting(tm
     assert ("MPI_ABORT was invoked" in proc.stderr) == (failing == "1"), proc.stderr[-3000:]
 
 
+def test_a_non_zero_exit_on_one_rank_under_python_m_matex_ends_the_job(tmp_path):
+    """``sys.exit("...")`` on one rank while its peer waits in a collective (argument checks
+    on rank 0 alone are common): the job ends with that status instead of hanging in
+    ``MPI_Finalize``. Every rank exiting with the same status stays a plain exit (above)."""
+    script = tmp_path / "exits.py"
+    script.write_text(textwrap.dedent("""
+        import sys
+        import matex
+        matex.init()
+        if matex.rank() == 1:
+            sys.exit("no such input file on rank 1")
+        matex.comm().Barrier()
+    """))
+    started = time.monotonic()
+    proc = mpitools.run_mpi(2, [sys.executable, "-m", "matex", str(script)], timeout=60)
+    assert time.monotonic() - started < 45, "ended by the timeout, not by MaTEx"
+    assert proc.returncode != 0 and "no such input file on rank 1" in proc.stderr
+    assert "MPI_ABORT was invoked on rank 1" in proc.stderr, proc.stderr[-3000:]
+
+
 def test_matexrun_prints_the_command_and_runs_the_script(tmp_path):
     matexrun = os.path.join(os.path.dirname(sys.executable), "matexrun")
     quiet = subprocess.run([matexrun, "-n", "2", _script(tmp_path), "0"], capture_output=True,
