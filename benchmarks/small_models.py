@@ -1,18 +1,24 @@
-"""Per-step cost of small recurrent models under MaTEx vs plain Keras (issue #24 item 16).
+"""Per-step cost and throughput of keras-io-like models under MaTEx vs plain Keras.
 
     python benchmarks/small_models.py            # full run
     python benchmarks/small_models.py --quick    # smoke run (2 ranks only)
 
-Two keras-io-like models on synthetic data, trained by ``fit`` on NumPy
+Four keras-io-like models on synthetic data, trained by ``fit`` on NumPy
 arrays with Adam and an accuracy metric, batch 32 per process:
 
+- ``cnn``: keras-io's mnist_convnet (Conv2D(32), MaxPool, Conv2D(64), MaxPool,
+  Flatten, Dropout, Dense softmax) on 28x28x1;
+- ``mlp_6m``: Dense(2048), Dense(2048), Dense(10) on 784 inputs (5.8 M
+  parameters: a large gradient for a small step);
 - ``addition_rnn``: LSTM(128) encoder, RepeatVector, LSTM(128) decoder,
   TimeDistributed Dense softmax (keras-io's addition_rnn);
 - ``bidirectional_lstm``: Embedding(20000, 128), 2x Bidirectional(LSTM(64)),
-  Dense sigmoid (keras-io's bidirectional_lstm_imdb).
+  Dense sigmoid (keras-io's bidirectional_lstm_imdb, an LSTM text classifier).
 
-Two phases, each one ``import matex.keras`` process per rank (as under
-``matexrun``): ``ranks1`` (1 rank) and ``ranks2`` (2 ranks). In each, every
+Three phases. ``ranks1`` (1 rank) and ``ranks2`` (2 ranks) run one
+``import matex.keras`` process per rank (as under ``matexrun``). ``mwms2``
+runs 2 workers of TensorFlow's MultiWorkerMirroredStrategy (gRPC, ring), each
+model's step as a custom loop, 32 samples per worker. In each, every
 process trains each model twice over, alternately: with MaTEx (global batch
 32 x ranks, 32 per rank) and as plain Keras (MaTEx's patches set aside while
 it compiles and fits, ``plain_keras``; batch 32 on its own data), so both
@@ -24,7 +30,10 @@ mostly measures the others; for MaTEx at 2 ranks it includes MPI's busy wait
 for the peer), wall ms, and the ops of the traced step (its graph and every
 function it calls; ``Matex*``: MaTEx's collectives). Figures are medians over
 rounds (worse rank) and over ``--repeats`` runs; the ratio compares with
-plain Keras in the same processes.
+plain Keras in the same processes. **Samples/s** (all ranks' samples per
+wall second) and the speed-up against one plain Keras process (the 1-rank
+phase's) say whether distributing pays: MaTEx at 2 ranks trains 2 x 32
+samples per step.
 """
 
 import contextlib
@@ -33,7 +42,7 @@ import time
 import _common
 
 PER_RANK_BATCH = 32
-MODELS = ("addition_rnn", "bidirectional_lstm")
+MODELS = ("cnn", "mlp_6m", "addition_rnn", "bidirectional_lstm")
 
 
 def settings(quick):
@@ -45,6 +54,21 @@ def settings(quick):
 def build(keras, np, name, rows, seq_len):
     """The compiled model ``name`` and ``rows`` rows of synthetic data for it."""
     rng = np.random.default_rng(0)
+    if name in ("cnn", "mlp_6m"):
+        if name == "cnn":
+            layers = [keras.Input((28, 28, 1)),
+                      keras.layers.Conv2D(32, 3, activation="relu"), keras.layers.MaxPooling2D(),
+                      keras.layers.Conv2D(64, 3, activation="relu"), keras.layers.MaxPooling2D(),
+                      keras.layers.Flatten(), keras.layers.Dropout(0.5)]
+            x = rng.random((rows, 28, 28, 1), dtype=np.float32)
+        else:
+            layers = [keras.Input((784,)), keras.layers.Dense(2048, activation="relu"),
+                      keras.layers.Dense(2048, activation="relu")]
+            x = rng.random((rows, 784), dtype=np.float32)
+        model = keras.Sequential(layers + [keras.layers.Dense(10, activation="softmax")])
+        model.compile(loss="sparse_categorical_crossentropy", optimizer="adam",
+                      metrics=["accuracy"])
+        return model, x, rng.integers(0, 10, rows)
     if name == "addition_rnn":
         digits, chars = 3, 12
         maxlen = 2 * digits + 1
@@ -112,7 +136,7 @@ def plain_keras():
 
 
 def worker(args):
-    """Both models, plain Keras and MaTEx, alternately; per-step CPU/wall time, op counts."""
+    """Every model, plain Keras and MaTEx, alternately; per-step CPU/wall time, op counts."""
     import keras
     import numpy as np
 
@@ -159,32 +183,94 @@ def worker(args):
     _common.emit({"ranks": size, "models": figures}, rank)
 
 
+def worker_mwms(args):
+    """MultiWorkerMirroredStrategy, one worker per rank (ring), 32 samples per worker per
+    step: each model's step as a custom loop (``fit`` fails under MWMS in Keras 3.15),
+    the compiled loss, ``optimizer.apply``; per-step CPU/wall time (worse worker)."""
+    strategy = _common.mwms_strategy()
+    import keras
+    import numpy as np
+    import tensorflow as tf
+    from mpi4py import MPI
+
+    world = MPI.COMM_WORLD
+    steps, measurements, warmup, seq_len = settings(args.quick)
+    options = tf.data.Options()
+    options.experimental_distribute.auto_shard_policy = tf.data.experimental.AutoShardPolicy.DATA
+    batch = PER_RANK_BATCH * world.Get_size()
+    figures = {}
+    for name in MODELS:
+        keras.utils.set_random_seed(0)
+        with strategy.scope():
+            model, x, y = build(keras, np, name, batch, seq_len)
+            model.optimizer.build(model.trainable_variables)
+        x = x.astype("float32") if x.dtype == bool else x
+        y = y.astype("float32") if y.dtype == np.float64 else y
+        data = tf.data.Dataset.from_tensor_slices((x, y)).repeat().batch(batch)
+        iterator = iter(strategy.experimental_distribute_dataset(data.with_options(options)))
+
+        def replica_step(x, y, model=model):
+            with tf.GradientTape() as tape:
+                loss = model.compute_loss(x=x, y=y, y_pred=model(x, training=True))
+            model.optimizer.apply(tape.gradient(loss, model.trainable_variables),
+                                  model.trainable_variables)
+            return loss
+
+        step = tf.function(lambda it, replica_step=replica_step: strategy.run(
+            replica_step, args=next(it)))
+        step(iterator)   # traced, first step
+        samples = []
+        for r in range(warmup + measurements):
+            cpu0, wall0 = time.process_time(), time.perf_counter()
+            for _ in range(steps):
+                step(iterator)
+            if r >= warmup:
+                samples.append({"cpu_ms": (time.process_time() - cpu0) * 1e3 / steps,
+                                "wall_ms": (time.perf_counter() - wall0) * 1e3 / steps})
+        figures[name] = {"mwms": _common.median_merge(samples)}
+    figures = _common.worst_over_ranks(world, figures)
+    _common.emit({"ranks": world.Get_size(), "models": figures}, world.Get_rank())
+
+
 KINDS = ("keras", "matex")
-PHASES = (("ranks1", 1), ("ranks2", 2))
+PHASES = (("ranks1", 1), ("ranks2", 2), ("mwms2", 2))
 LABELS = {("ranks1", "keras"): "1 process, plain Keras", ("ranks1", "matex"): "1 rank, matex",
           ("ranks2", "keras"): "2 processes, plain Keras each",
-          ("ranks2", "matex"): "2 ranks, matex"}
+          ("ranks2", "matex"): "2 ranks, matex",
+          ("mwms2", "mwms"): "2 workers, MWMS (custom loop)"}
 
 
 def report(results):
     """One row per model, phase and kind; CPU ratio against plain Keras in the same processes."""
     rows = []
     for name in MODELS:
-        for phase in (p for p, _ in PHASES if p in results):
+        one = results.get("ranks1", {}).get("models", {}).get(name, {}).get("keras")
+        for phase, nranks in ((p, n) for p, n in PHASES if p in results):
             models = results[phase]["models"][name]
-            for kind in KINDS:
+            for kind in (k for k in KINDS + ("mwms",) if k in models):
                 figures = models[kind]
+                ranks = 1 if kind == "keras" else nranks   # plain Keras: one process's
+                rate = ranks * PER_RANK_BATCH * 1e3 / figures["wall_ms"]
                 rows.append([name, LABELS[phase, kind], "%.2f" % figures["cpu_ms"],
-                             "%.2f" % figures["wall_ms"], "%d" % figures["ops"],
-                             "%d" % figures["matex_ops"],
-                             "%.2f" % (figures["cpu_ms"] / models["keras"]["cpu_ms"])])
+                             "%.2f" % figures["wall_ms"], "%d" % figures.get("ops", 0),
+                             "%d" % figures.get("matex_ops", 0),
+                             "%.2f" % (figures["cpu_ms"] / models["keras"]["cpu_ms"])
+                             if "keras" in models else "-",
+                             "%.0f" % rate,
+                             "%.2f" % (rate * one["wall_ms"] / (PER_RANK_BATCH * 1e3))
+                             if one else "-"])
     return "\n".join([
         _common.table(["model", "configuration", "CPU ms/step", "wall ms/step", "step ops",
-                       "MaTEx ops", "CPU x plain Keras"], rows),
+                       "MaTEx ops", "CPU x plain Keras", "samples/s",
+                       "x 1 plain process"], rows),
         "",
         "Batch %d per process. CPU ms: the process's CPU time per step (all threads; the worse "
         "rank); at 2 ranks MaTEx's includes MPI's busy wait for the peer. Plain Keras runs in "
-        "the same processes, alternating with MaTEx." % PER_RANK_BATCH,
+        "the same processes, alternating with MaTEx. Samples/s: per wall second, over all "
+        "ranks for MaTEx and MWMS, of one process for plain Keras; 'x 1 plain process': "
+        "against plain Keras in the 1-rank phase (not run with --quick). MWMS runs its own "
+        "processes, a custom loop without metrics (its step ops are not counted: 0)."
+        % PER_RANK_BATCH,
     ])
 
 
@@ -192,7 +278,7 @@ def main():
     """Driver (no ``--worker``) or one worker phase."""
     args = _common.parse_args(__doc__.splitlines()[0], [p[0] for p in PHASES], repeats=3)
     if args.worker:
-        return worker(args)
+        return (worker_mwms if args.worker == "mwms2" else worker)(args)
     extra = ["--quick"] if args.quick else []
     # --quick: the 2-rank phase alone (each phase traces all four models: most of its time)
     phases = {name: dict(nranks=n, args=extra) for name, n in PHASES

@@ -12,6 +12,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parent.parent
 
 
@@ -239,27 +241,34 @@ def test_timeline_overhead_driver(tmp_path):
 
 
 def test_small_models_driver(tmp_path):
-    """Small recurrent models: per-step CPU time and step ops, plain Keras vs matex, 1/2 ranks."""
+    """keras-io-like models: per-step CPU time, step ops and samples/s, plain Keras vs matex
+    at 1/2 ranks, and 2 MultiWorkerMirroredStrategy workers."""
     stdout, results = run_driver("small_models", tmp_path)
     assert_finite_table(stdout)
     rows = table_rows(stdout)
-    configs = ("2 processes, plain Keras each", "2 ranks, matex")   # --quick: 2 ranks only
+    configs = ("2 processes, plain Keras each", "2 ranks, matex",
+               "2 workers, MWMS (custom loop)")   # --quick: the 2-rank phases only
     assert [row[:2] for row in rows] == [
-        [model, config] for model in ("addition_rnn", "bidirectional_lstm") for config in configs]
-    assert all(row[-1] == "1.00" for row in rows[::2])   # plain Keras: the ratios' baseline
-    assert set(results) == {"ranks2"} and results["ranks2"]["ranks"] == 2
-    for phase in results.values():
-        for kinds in phase["models"].values():
-            assert set(kinds) == {"keras", "matex"}
+        [model, config] for model in ("cnn", "mlp_6m", "addition_rnn", "bidirectional_lstm")
+        for config in configs]
+    assert all(row[6] == "1.00" for row in rows[0::3])   # plain Keras: the ratios' baseline
+    assert all(row[6] == "-" for row in rows[2::3])   # MWMS: other processes, no CPU ratio
+    for row, samples in zip(rows, [32e3, 64e3, 64e3] * 4):   # per wall second, all ranks
+        assert float(row[7]) == pytest.approx(samples / float(row[3]), rel=0.01), row
+    assert all(row[8] == "-" for row in rows)   # no 1-rank phase to compare with
+    assert set(results) == {"ranks2", "mwms2"}
+    assert results["ranks2"]["ranks"] == results["mwms2"]["ranks"] == 2
+    for phase, kinds_expected in (("ranks2", {"keras", "matex"}), ("mwms2", {"mwms"})):
+        for kinds in results[phase]["models"].values():
+            assert set(kinds) == kinds_expected
             for figures in kinds.values():
                 assert all(math.isfinite(figures[k]) and figures[k] > 0
-                           for k in ("cpu_ms", "wall_ms", "ops"))
-    for phase in results.values():
-        rnn = phase["models"]["addition_rnn"]
-        assert rnn["keras"]["matex_ops"] == 0 and rnn["matex"]["matex_ops"] >= 2
-        # fit on arrays traces the step Keras traces (static batch rows, float32 labels) plus
-        # MaTEx's reductions: 1239 vs 1308 ops; 1460 when its batch rows were unknown
-        assert rnn["matex"]["ops"] - rnn["keras"]["ops"] < 150, rnn
+                           for k in ("cpu_ms", "wall_ms", "ops") if k in figures)
+    rnn = results["ranks2"]["models"]["addition_rnn"]
+    assert rnn["keras"]["matex_ops"] == 0 and rnn["matex"]["matex_ops"] >= 2
+    # fit on arrays traces the step Keras traces (static batch rows, float32 labels) plus
+    # MaTEx's reductions: 1239 vs 1308 ops; 1460 when its batch rows were unknown
+    assert rnn["matex"]["ops"] - rnn["keras"]["ops"] < 150, rnn
 
 
 def test_cpu_defaults_driver(tmp_path):
