@@ -70,8 +70,9 @@ from matex import _stall as _stall_module  # noqa: E402
 
 _stall_module.install_early_signal_handler()
 
-# in a job of several ranks, an uncaught exception on one rank ends the job (under ULFM:
-# that rank) instead of leaving the others waiting in a collective for ever
+# in a job of several ranks, an uncaught exception on one rank ends the job instead of
+# leaving the others waiting in a collective for ever (not under ULFM: there that rank
+# just exits and the others recover)
 from matex import _resilience as _resilience_module  # noqa: E402
 
 _resilience_module.install_excepthook()
