@@ -319,6 +319,12 @@ def check_replicas(arrays, what="model and optimizer state"):
 FAILED_LINE = "matex: rank %d of %d failed; the others continue without it"
 
 
+def with_rank(rank: int, text: str) -> str:
+    """``text`` with every line prefixed ``[rank N] `` (how a rank's own report is told
+    apart in a job's merged stderr)."""
+    return "".join("[rank %d] %s\n" % (rank, line) for line in text.splitlines())
+
+
 def die_like_a_crash(text):
     """Print ``text`` prefixed by the rank, then end this rank as a crash would.
 
@@ -336,8 +342,8 @@ def die_like_a_crash(text):
     from mpi4py import MPI
 
     rank, size = MPI.COMM_WORLD.Get_rank(), MPI.COMM_WORLD.Get_size()
-    sys.stderr.write("".join("[rank %d] %s\n" % (rank, line) for line in text.splitlines()))
-    sys.stderr.write("[rank %d] %s\n" % (rank, FAILED_LINE % (rank, size)))
+    sys.stderr.write(with_rank(rank, text))
+    sys.stderr.write(with_rank(rank, FAILED_LINE % (rank, size)))
     sys.stderr.flush()
     sys.stdout.flush()
     try:
@@ -372,8 +378,7 @@ def end_job(text: str) -> None:
         die_like_a_crash(text)
     size = _config.launched_size() or 1
     if size > 1:
-        rank = _config.launched_rank()
-        text = "".join("[rank %d] %s\n" % (rank, line) for line in text.splitlines())
+        text = with_rank(_config.launched_rank(), text)
     sys.stderr.write(text)
     sys.stderr.flush()
     leave_or_abort(1, unknown="abort")
