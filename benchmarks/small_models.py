@@ -252,8 +252,9 @@ def report(results):
                 ranks = 1 if kind == "keras" else nranks   # plain Keras: one process's
                 rate = ranks * PER_RANK_BATCH * 1e3 / figures["wall_ms"]
                 rows.append([name, LABELS[phase, kind], "%.2f" % figures["cpu_ms"],
-                             "%.2f" % figures["wall_ms"], "%d" % figures.get("ops", 0),
-                             "%d" % figures.get("matex_ops", 0),
+                             "%.2f" % figures["wall_ms"],
+                             "%d" % figures["ops"] if "ops" in figures else "-",
+                             "%d" % figures["matex_ops"] if "ops" in figures else "-",
                              "%.2f" % (figures["cpu_ms"] / models["keras"]["cpu_ms"])
                              if "keras" in models else "-",
                              "%.0f" % rate,
@@ -269,7 +270,7 @@ def report(results):
         "the same processes, alternating with MaTEx. Samples/s: per wall second, over all "
         "ranks for MaTEx and MWMS, of one process for plain Keras; 'x 1 plain process': "
         "against plain Keras in the 1-rank phase (not run with --quick). MWMS runs its own "
-        "processes, a custom loop without metrics (its step ops are not counted: 0)."
+        "processes, a custom loop without metrics (its step ops are not counted: -)."
         % PER_RANK_BATCH,
     ])
 
