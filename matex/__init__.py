@@ -98,7 +98,7 @@ __all__ = [
     "sparse_allreduce", "stats", "LocalSGD", "DiLoCo", "flush",
     "grouped_allreduce", "barrier", "grouped_allgather", "grouped_reducescatter",
     "broadcast_object", "broadcast_object_fn", "allgather_object",
-    "alltoall", "reducescatter",
+    "alltoall", "reducescatter", "should_commit",
 ]
 
 _LAZY = {
@@ -127,6 +127,7 @@ _LAZY = {
     "allgather_object": "matex._objects",
     "alltoall": "matex._collectives",          # Horovod's API (#25)
     "reducescatter": "matex._collectives",
+    "should_commit": "matex._commit",          # one commit vote per step (#32)
 }
 
 
@@ -139,6 +140,7 @@ if TYPE_CHECKING:   # type checkers and IDEs see the lazy names' own signatures
     from matex._collectives import alltoall, reducescatter
     from matex._grouped import grouped_allgather, grouped_reducescatter
     from matex._objects import allgather_object, broadcast_object, broadcast_object_fn
+    from matex._commit import should_commit
     from matex._delayed import flush
     from matex._optimizer import DistributedOptimizer
     from matex._recovery import run_resilient

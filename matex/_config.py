@@ -439,6 +439,18 @@ _register("MATEX_METRICS_EVERY", "10", """Batches between the exact global metri
     are always exact). A callback that reads every batch's logs gets them every batch.""")
 
 
+_register("MATEX_SKIP_LIMIT", "5", """Steps in a row `fit` may leave uncommitted because a
+    rank's gradients held a NaN or an infinity (each step's commit vote rides in the gradients'
+    allreduce), and calls in a row of a `run_resilient` step that commit nothing (a
+    `matex.should_commit` vote refused them); at this many every rank raises the same
+    error.""")
+
+
+def skip_limit() -> int:
+    """``MATEX_SKIP_LIMIT``: refused steps in a row before every rank raises (5)."""
+    return _number("MATEX_SKIP_LIMIT", 5, int, 1)
+
+
 def metrics_every() -> int:
     """``MATEX_METRICS_EVERY``: batches between the progress bar's global metrics (10)."""
     return _number("MATEX_METRICS_EVERY", 10, int, 1)

@@ -51,6 +51,7 @@ class _State:
         self.strategy = None         # fewer synchronisations: _delayed.Delayed, localsgd
         self.compression = None      # a matex.compression compressor, or None
         self.joined = {}             # key -> maker of a per-step state (_recovery.join)
+        self.skipped = None          # tf.Variable: steps in a row the commit vote refused
 
 
 class _DistributedMixin:
@@ -91,9 +92,11 @@ class _DistributedMixin:
                 return state.strategy.apply(self, grads, trainable_variables, super().apply,
                                             state.op, state.rows)
             names = _variable_names(trainable_variables, len(grads))
+            vote = None
             if state.rows is not None and state.op == "average":
-                grads = _weighted_average(grads, state.rows, state.threshold, names,
-                                          trainable_variables, state.compression)
+                grads, vote = _weighted_average(grads, state.rows, state.threshold, names,
+                                                trainable_variables, state.compression,
+                                                vote=not _scales_its_loss(self))
             else:
                 if state.op == "adasum":   # dense: Adasum combines whole vectors
                     grads = [tf.convert_to_tensor(g) if isinstance(g, tf.IndexedSlices) else g
@@ -102,7 +105,23 @@ class _DistributedMixin:
                                                  state.op, state.threshold, names)
         # all-or-nothing: after every reduced gradient, before any later collective
         inner_apply = super().apply
-        return _commit.commit(lambda: inner_apply(grads, trainable_variables), after=grads)
+        if vote is None:
+            return _commit.commit(lambda: inner_apply(grads, trainable_variables), after=grads)
+        against, mine = vote
+        skipped = self._matex_skipped()
+        return _commit.commit(
+            lambda: _commit.if_voted(against, mine,
+                                     lambda: inner_apply(grads, trainable_variables),
+                                     skipped, self.iterations), after=grads)
+
+    def _matex_skipped(self):
+        """The count of steps in a row the commit vote refused (made once, untracked)."""
+        state = self._matex
+        if state.skipped is None:
+            with tf.init_scope():
+                state.skipped = tf.Variable(0, dtype=tf.int64, trainable=False,
+                                            name="matex_skipped_steps")
+        return state.skipped
 
     def _matex_first_step_sync(self, variables):
         """Broadcast rank 0's weights and optimizer state; returns a tensor or None.
@@ -136,6 +155,15 @@ class _DistributedMixin:
             return tf.cond(flag.read_value(), sync, lambda: tf.constant(False))
 
 
+def _scales_its_loss(optimizer) -> bool:
+    """Whether ``optimizer`` is Keras's LossScaleOptimizer. Non-finite gradients are its
+    signal to lower the scale, and it decides that on the reduced gradients (the same on
+    every rank): the commit vote must not refuse those steps for it."""
+    import keras
+
+    return isinstance(optimizer, keras.optimizers.LossScaleOptimizer)
+
+
 def _variable_names(variables, count):
     """The variables' paths (the timeline names a fused bucket's tensors by them), or None."""
     if not variables or len(variables) != count or tf.executing_eagerly():
@@ -144,6 +172,7 @@ def _variable_names(variables, count):
 
 
 _ROWS_NAME = "matex/rows"   # the rows count's entry in a fused bucket (timeline, stats)
+_VOTE_NAME = "matex/vote"   # the commit vote's entry (``_commit.votes_against``)
 
 
 def _rows_ride_along(grads, compression) -> Optional[tf.DType]:
@@ -176,34 +205,41 @@ def _over(g, total):
     return tf.math.divide_no_nan(g, total)
 
 
-def _weighted_average(grads, rows, threshold, names=None, variables=None, compression=None):
-    """Sum over ranks of grad_r * rows_r / total rows: the global-batch gradient.
+def _weighted_average(grads, rows, threshold, names=None, variables=None, compression=None,
+                      vote=True):
+    """Sum over ranks of grad_r * rows_r / total rows: the global-batch gradient, and,
+    with ``vote``, the step's commit vote: ``(gradients, (votes against, this rank's
+    vote) or None)`` (see ``_commit``).
 
     One collective for the dense gradients where it can: every gradient times this
-    rank's rows, and the rows themselves, summed in the same fused allreduce, then
-    divided by the summed rows (sparse gradients are reduced on their own, as always).
-    Otherwise the rows are summed first and each gradient is weighted before its sum.
+    rank's rows, the rows themselves and the vote, summed in the same fused allreduce,
+    then divided by the summed rows (sparse gradients are reduced on their own, as
+    always). Otherwise the rows and the vote are summed first, together, and each
+    gradient is weighted before its sum.
     """
     dtype = _rows_ride_along(grads, compression)
     if dtype is not None:
         count = tf.cast(rows, dtype)
+        ride = [count, _commit.votes_against(grads, dtype)] if vote else [count]
         present = [i for i, g in enumerate(grads) if g is not None]
         scaled = [_times(grads[i], count) for i in present]
-        given = [names[i] for i in present] if names else None
+        given = [names[i] for i in present] if names else [None] * len(scaled)
         held = [variables[i] for i in present] if variables else None
-        # the count first: it joins the first bucket
+        # the count and the vote first: they join the first bucket
         reduced = _reduce.reduce_gradients(
-            [count] + scaled, [None] + held if held else None, None, "sum", threshold,
-            [_ROWS_NAME] + given if given else [_ROWS_NAME] + [None] * len(scaled))
+            ride + scaled, [None] * len(ride) + held if held else None, None, "sum",
+            threshold, [_ROWS_NAME, _VOTE_NAME][:len(ride)] + given)
         total, out = reduced[0], list(grads)
-        for i, g in zip(present, reduced[1:]):
+        for i, g in zip(present, reduced[len(ride):]):
             out[i] = _over(g, total)
-        return out
-    rows = tf.cast(rows, tf.float64)
-    total = _collectives.allreduce(rows, "sum")
-    weight = tf.math.divide_no_nan(rows, total)
-    return _reduce.reduce_gradients(grads, variables, compression, "sum", threshold, names,
-                                    weight=weight)
+        return out, ((reduced[1], ride[1]) if vote else None)
+    ride = [tf.cast(rows, tf.float64)]
+    if vote:
+        ride.append(_commit.votes_against(grads, tf.float64))
+    summed = _collectives.allreduce(tf.stack(ride), "sum")
+    weight = tf.math.divide_no_nan(ride[0], summed[0])
+    return (_reduce.reduce_gradients(grads, variables, compression, "sum", threshold, names,
+                                     weight=weight), (summed[1], ride[1]) if vote else None)
 
 
 class rows_of_step:

@@ -47,8 +47,8 @@ if TYPE_CHECKING:
 
 import numpy as np
 
-from matex import _resilience
-from matex.errors import MismatchError, RankFailure
+from matex import _config, _resilience
+from matex.errors import MatexError, MismatchError, RankFailure
 
 _COPY_BELOW_BYTES = 64 << 10
 
@@ -337,6 +337,10 @@ def run_resilient(step: Callable[[int], Any], num_steps: int, variables: Iterabl
     changes before its update (e.g. counters, BatchNorm statistics), restored
     when that step has to be redone. Without ULFM a failure is raised.
 
+    A call that commits nothing (``matex.should_commit`` refused the step) is
+    made again with the same ``i``; ``MATEX_SKIP_LIMIT`` (5) such calls in a row
+    raise ``MatexError`` on every rank, so the loop is bounded.
+
     Returns the number of recoveries.
     """
     variables, undo = list(variables), list(undo_on_redo)
@@ -351,10 +355,21 @@ def run_resilient(step: Callable[[int], Any], num_steps: int, variables: Iterabl
 
     def body():
         first_step_sync()
+        tries = 0
         while int(optimizer.iterations) < num_steps:
+            at = int(optimizer.iterations)
             for s in states:
                 s.begin_step()
-            step(int(optimizer.iterations))
+            step(at)
+            # a step that committed nothing (``matex.should_commit`` refused it) is called
+            # again; the counter is the same on every rank, so all stop together
+            tries = tries + 1 if int(optimizer.iterations) == at else 0
+            if tries >= _config.skip_limit():
+                raise MatexError(
+                    "matex: run_resilient: step %d was called %d times in a row and "
+                    "committed nothing (a vote refused it, or the step does not update "
+                    "through a DistributedOptimizer); every rank stops here (the limit "
+                    "is MATEX_SKIP_LIMIT)" % (at, tries))
 
     def first_step_sync():
         """Rank 0's values, eagerly, before the step is first traced. The optimizer would

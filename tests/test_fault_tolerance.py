@@ -432,13 +432,14 @@ def test_without_ulfm_restart_resumes_from_an_intact_checkpoint(tmp_path):
         assert r["seen"] == [float(EPOCHS)] * N   # epoch 1 from the checkpoint, 2 and 3 anew
 
 
-# A rank lost right before one of the collectives added for Horovod's API (#25): the
-# survivors meet the failure inside it, recover under run_resilient, and every later
+# A rank lost right before one of the collectives added for Horovod's API (#25), or
+# the commit vote (matex.should_commit, MPI's agreement under ULFM): the survivors meet
+# the failure inside it, recover under run_resilient, and every later
 # result of every such collective equals NumPy's for the ranks alive then.
 @pytest.mark.parametrize("kills,survivors", [
-    ("1:3:alltoall,4:8:reducescatter,0:14:adasum", [2, 3]),
+    ("1:3:alltoall,4:8:reducescatter,0:14:adasum,3:18:should_commit", [2]),
     ("4:3:grouped_allgather,0:8:broadcast_object,2:14:allgather_object,3:20:barrier", [1]),
-], ids=["alltoall-reducescatter-adasum", "grouped-allgather-objects-barrier"])
+], ids=["alltoall-reducescatter-adasum-vote", "grouped-allgather-objects-barrier"])
 def test_a_rank_lost_inside_each_new_collective(tmp_path, kills, survivors):
     out = str(tmp_path / "c")
     env = dict(launch.launch_env(), FT_KILL_BEFORE=kills)

@@ -134,13 +134,13 @@ def test_timeline_and_monitor_through_matexrun(tmp_path):
     reads = [e for e in reader if e["name"] == "read"]
     assert sum(e["args"]["rows"] for e in reads) == 2 * STEPS * 8, reads[:3]
     buckets = [e for e in _spans(rank0, "collective") if "tensors" in e["args"]]
-    grads = [b for b in buckets if b["args"]["num_tensors"] == 5]
-    # one bucket per step: the gradients and the step's rows count
+    grads = [b for b in buckets if b["args"]["num_tensors"] == 6]
+    # one bucket per step: the gradients, the step's rows count and its commit vote
     assert len(grads) == 2 * STEPS, len(grads)
     assert sorted(grads[0]["args"]["tensors"]) == sorted(
-        ["matex/rows", "sequential/dense/kernel", "sequential/dense/bias",
+        ["matex/rows", "matex/vote", "sequential/dense/kernel", "sequential/dense/bias",
          "sequential/dense_1/kernel", "sequential/dense_1/bias"]), grads[0]["args"]["tensors"]
-    assert grads[0]["args"]["bytes"] == (1 + 8 * 16 + 16 + 16 * 2 + 2) * 4
+    assert grads[0]["args"]["bytes"] == (2 + 8 * 16 + 16 + 16 * 2 + 2) * 4
     # the monitor: rank 0's lines, and the figures in every rank's History
     lines = [ln for ln in proc.stderr.splitlines() if ln.startswith("matex monitor: step ")]
     assert lines, proc.stderr[-3000:]

@@ -295,7 +295,7 @@ def test_mixed_precision_reduces_gradients_once_per_step(monkeypatch, wrapped_by
     finally:
         keras.mixed_precision.set_global_policy("float32")
     # 2 steps, 4 gradients each, once; compile's fit weights them by the rows, whose
-    # count rides in the same fused allreduce
+    # count rides in the same fused allreduce (no commit vote: the loss scale decides)
     expected = 4 + (wrapped_by == "compile")
     assert reductions == [expected, expected], reductions
     assert all_equal_bytes([v.numpy() for v in m.variables])
@@ -464,8 +464,8 @@ def test_fit_makes_one_collective_per_step_with_exact_global_metrics():
     """The rows count rides in the gradients' fused allreduce and the metrics are summed
     when read (each epoch's end), so a training step makes one collective. Fits of 4 and
     8 steps per epoch differ by 4 collectives per epoch, every one a fused allreduce of
-    the gradients and the rows; the epoch's metrics are one process's over the global
-    data, on every rank. Before: 3 per step (rows, gradients, metrics)."""
+    the gradients, the rows and the commit vote; the epoch's metrics are one process's over
+    the global data, on every rank. Before: 3 per step (rows, gradients, metrics)."""
     from matex import _native
 
     core = _native.core()
@@ -480,8 +480,9 @@ def test_fit_makes_one_collective_per_step_with_exact_global_metrics():
                                  verbose=0).history
         counts[steps] = core.flight_sequence() - before
         fused = [e for e in core.flight_entries() if e["seq"] > before and e["kind"] == 2
-                 and e["num_tensors"] == len(m.trainable_variables) + 1]
-        assert len(fused) == 2 * steps, (steps, len(fused))   # gradients + rows, per step
+                 and e["num_tensors"] == len(m.trainable_variables) + 2]
+        # gradients, rows and the commit vote, per step
+        assert len(fused) == 2 * steps, (steps, len(fused))
         loss, correct = _one_process(m, x, y)
         for epoch in range(2):
             np.testing.assert_allclose(histories[steps]["loss"][epoch], loss.mean(), rtol=1e-5)
@@ -560,12 +561,145 @@ def test_a_sparse_gradient_is_weighted_by_the_rows_that_ride_with_the_dense_ones
     before = core.flight_sequence()
     m.fit(x, y, batch_size=batch, epochs=1, shuffle=False, verbose=0)
     fused = [e for e in core.flight_entries() if e["seq"] > before and e["kind"] == 2
-             and e["num_tensors"] == 3]   # Dense kernel and bias, and the rows
+             and e["num_tensors"] == 4]   # Dense kernel and bias, the rows, the vote
     assert len(fused) == 2, [(e["kind"], e["num_tensors"]) for e in core.flight_entries()
                              if e["seq"] > before]
     for got, want in zip(m.get_weights(), reference.get_weights()):
         np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
     assert all_equal_bytes(m.get_weights())
+
+
+def _linear(seed=21):
+    keras.utils.set_random_seed(seed)
+    m = keras.Sequential([keras.Input((3,)), keras.layers.Dense(1)])
+    m.compile(keras.optimizers.SGD(0.05), "mse")
+    return m
+
+
+def _poisoned(batch, steps, bad_steps):
+    """``steps`` global batches of ``batch`` rows; in each of ``bad_steps`` the batch's
+    last row (the last rank's shard) holds a NaN feature."""
+    rng = np.random.default_rng(23)
+    x = rng.normal(size=(steps * batch, 3)).astype("float32")
+    y = x @ np.array([[1.0], [-2.0], [0.5]], np.float32)
+    for k in bad_steps:
+        x[(k + 1) * batch - 1, 1] = np.nan
+    return x, y
+
+
+@pytest.mark.skipif(N == 1, reason="at one rank the step is plain Keras's: nothing to vote")
+def test_a_step_whose_gradients_are_not_finite_on_one_rank_is_committed_on_none(capfd):
+    """The commit vote rides in the gradients' fused allreduce (one collective per step
+    still): the last rank's shard holds a NaN in the second global batch, so that rank
+    votes against and no rank applies the step. The weights equal one process's SGD over
+    the three other batches, stay finite and equal on every rank, the step counter says 3
+    committed steps, and only the rank that voted against says so on its stderr.
+    Before: the NaN was averaged into every rank's weights."""
+    batch, steps = 4 * N, 4
+    x, y = _poisoned(batch, steps, bad_steps=[1])
+    m = _linear()
+    reference = [w.copy() for w in m.get_weights()]
+    for k in (0, 2, 3):   # one process, plain SGD on the global batches that commit
+        xb, yb = x[k * batch:(k + 1) * batch], y[k * batch:(k + 1) * batch]
+        error = xb @ reference[0] + reference[1] - yb
+        grad_w = 2 * xb.T @ error / batch
+        grad_b = 2 * error.sum(0) / batch
+        reference = [reference[0] - 0.05 * grad_w, reference[1] - 0.05 * grad_b]
+    capfd.readouterr()
+    m.fit(x, y, batch_size=batch, epochs=1, shuffle=False, verbose=0)
+    said = capfd.readouterr().err
+    assert int(m.optimizer.iterations) == 3
+    for got, want in zip(m.get_weights(), reference):
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
+    assert all(np.isfinite(w).all() for w in m.get_weights())
+    assert all_equal_bytes(m.get_weights())
+    voted = "gradients hold a NaN or an infinity at step 1" in said
+    assert gather(voted) == [False] * (N - 1) + [True], said
+
+
+@pytest.mark.skipif(N == 1, reason="at one rank the step is plain Keras's: nothing to vote")
+def test_refused_steps_in_a_row_stop_every_rank_at_the_limit(monkeypatch):
+    """MATEX_SKIP_LIMIT bounds the refused steps in a row: with 2, the second refused step
+    raises the same error on every rank (none left waiting); a committed step in between
+    resets the count."""
+    monkeypatch.setenv("MATEX_SKIP_LIMIT", "2")
+    batch = 4 * N
+    m = _linear()
+    x, y = _poisoned(batch, 5, bad_steps=[0, 2])   # refused, committed, refused, ...
+    m.fit(x, y, batch_size=batch, epochs=1, shuffle=False, verbose=0)
+    assert int(m.optimizer.iterations) == 3
+    m = _linear()
+    x, y = _poisoned(batch, 4, bad_steps=[1, 2])
+    with pytest.raises(tf.errors.InvalidArgumentError, match="steps were not committed"):
+        m.fit(x, y, batch_size=batch, epochs=1, shuffle=False, verbose=0)
+    assert int(m.optimizer.iterations) == 1
+    assert all_equal_bytes(m.get_weights())
+
+
+def test_should_commit_gives_every_rank_one_answer_that_folds_in_each_rank_s_error():
+    """``matex.should_commit(ok)``: True on every rank when every rank says ok, False on
+    every rank when one does not. A custom loop whose last rank fails to read its second
+    batch skips that step on every rank (no rank waits in a reduction the others never
+    make): 3 updates each, equal weights."""
+    assert gather(matex.should_commit(True)) == [True] * N
+    assert gather(matex.should_commit(R != N - 1)) == [False] * N
+    keras.utils.set_random_seed(5)
+    layer = keras.layers.Dense(1)
+    layer.build((None, 3))
+    optimizer = keras.optimizers.SGD(0.1)
+    matex.broadcast_variables(layer.variables, 0)
+    rng = np.random.default_rng(31 + R)
+    for step in range(4):
+        x = rng.normal(size=(4, 3)).astype("float32")
+        read = not (step == 1 and R == N - 1)   # this rank's read failed
+        if not matex.should_commit(read):
+            continue
+        with tf.GradientTape() as tape:
+            loss = tf.reduce_mean(tf.square(layer(x) - 1.0))
+        tape = matex.DistributedGradientTape(tape)
+        optimizer.apply(tape.gradient(loss, layer.trainable_variables),
+                        layer.trainable_variables)
+    assert gather(int(optimizer.iterations)) == [3] * N
+    assert all_equal_bytes([v.numpy() for v in layer.variables])
+
+
+def _voting_loop(failures):
+    """A ``run_resilient`` loop of 4 steps whose last rank fails to read step 1's batch
+    ``failures`` times (it votes against each time). Returns (layer, optimizer, calls)."""
+    keras.utils.set_random_seed(5)
+    layer = keras.layers.Dense(1)
+    layer.build((None, 3))
+    optimizer = matex.DistributedOptimizer(keras.optimizers.SGD(0.1))
+    optimizer.build(layer.trainable_variables)
+    calls = []
+
+    def step(i):
+        calls.append(i)
+        x = np.random.default_rng(100 * i + R).normal(size=(4, 3)).astype("float32")
+        read = not (i == 1 and R == N - 1 and calls.count(1) <= failures)
+        if not matex.should_commit(read):
+            return
+        with tf.GradientTape() as tape:
+            loss = tf.reduce_mean(tf.square(layer(x) - 1.0))
+        optimizer.apply(tape.gradient(loss, layer.trainable_variables),
+                        layer.trainable_variables)
+
+    matex.run_resilient(step, 4, layer.variables + list(optimizer.variables), optimizer)
+    return layer, optimizer, calls
+
+
+def test_run_resilient_calls_a_refused_step_again_and_stops_every_rank_at_the_limit(
+        monkeypatch):
+    """A step the vote refused is called again with the same ``i`` (2 refusals: step 1
+    is called 3 times, and the loop ends with 4 commits, equal weights); at
+    MATEX_SKIP_LIMIT refusals in a row every rank raises, instead of calling it for ever."""
+    monkeypatch.setenv("MATEX_SKIP_LIMIT", "3")
+    layer, optimizer, calls = _voting_loop(failures=2)
+    assert calls == [0, 1, 1, 1, 2, 3]
+    assert int(optimizer.iterations) == 4
+    assert all_equal_bytes([v.numpy() for v in layer.variables])
+    with pytest.raises(matex.errors.MatexError, match="step 1 was called 3 times in a row"):
+        _voting_loop(failures=3)
 
 
 def test_a_step_traced_again_with_the_reduction_makes_matex_s_counters():

@@ -6,10 +6,10 @@ as seen at call time (so a redone step is re-divided among the survivors).
 
 ``collectives``: each step first runs the collectives added for Horovod's API
 (alltoall with splits, reducescatter, Adasum, grouped_allgather, broadcast_object,
-allgather_object, barrier) and checks each result against NumPy for the ranks alive
-then; the report lists every mismatch. ``FT_KILL_BEFORE="WORLD_RANK:STEP:NAME,..."``
-kills that rank right before that collective at that step, so the survivors meet
-the failure inside it.
+allgather_object, barrier, the should_commit vote) and checks each result against
+NumPy for the ranks alive then; the report lists every mismatch.
+``FT_KILL_BEFORE="WORLD_RANK:STEP:NAME,..."`` kills that rank right before that
+collective at that step, so the survivors meet the failure inside it.
 """
 
 import json
@@ -94,6 +94,9 @@ def check_collectives(i):
     _expect(i, "allgather_object", matex.allgather_object((r, i)), [(k, i) for k in range(size)])
     _before(i, "barrier")
     _expect(i, "barrier", int(matex.barrier()), size)
+    _before(i, "should_commit")   # the vote: True only if every rank says so
+    _expect(i, "should_commit", [matex.should_commit(True), matex.should_commit(r != size - 1)],
+            [True, False])
 
 
 def step(i):
