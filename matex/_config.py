@@ -446,6 +446,19 @@ _register("MATEX_SKIP_LIMIT", "5", """Steps in a row `fit` may leave uncommitted
     error.""")
 
 
+_register("MATEX_COMMIT_VOTE", "1", """`0`: `fit`'s step carries no commit vote (a rank's
+    non-finite gradients are then averaged into every rank's weights, as in MaTEx before the
+    vote); read when the step is traced.""")
+
+
+def commit_vote() -> bool:
+    """``MATEX_COMMIT_VOTE``: whether ``fit``'s step carries the commit vote (1)."""
+    value = _get("MATEX_COMMIT_VOTE").strip() or "1"
+    if value not in ("0", "1"):
+        raise ValueError("MATEX_COMMIT_VOTE must be 0 or 1, not %r" % value)
+    return value == "1"
+
+
 def skip_limit() -> int:
     """``MATEX_SKIP_LIMIT``: refused steps in a row before every rank raises (5)."""
     return _number("MATEX_SKIP_LIMIT", 5, int, 1)

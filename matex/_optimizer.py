@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING, Optional
 
 import tensorflow as tf
 
-from matex import _collectives, _commit, _compat, _faults, _recovery
+from matex import _collectives, _commit, _compat, _config, _faults, _recovery
 from matex._recovery import has_value
 from matex.compression import _spec as _compression
 from matex.compression import _reduce
@@ -96,7 +96,7 @@ class _DistributedMixin:
             if state.rows is not None and state.op == "average":
                 grads, vote = _weighted_average(grads, state.rows, state.threshold, names,
                                                 trainable_variables, state.compression,
-                                                vote=not _scales_its_loss(self))
+                                                vote=_votes(self))
             else:
                 if state.op == "adasum":   # dense: Adasum combines whole vectors
                     grads = [tf.convert_to_tensor(g) if isinstance(g, tf.IndexedSlices) else g
@@ -155,13 +155,15 @@ class _DistributedMixin:
             return tf.cond(flag.read_value(), sync, lambda: tf.constant(False))
 
 
-def _scales_its_loss(optimizer) -> bool:
-    """Whether ``optimizer`` is Keras's LossScaleOptimizer. Non-finite gradients are its
-    signal to lower the scale, and it decides that on the reduced gradients (the same on
-    every rank): the commit vote must not refuse those steps for it."""
+def _votes(optimizer) -> bool:
+    """Whether ``optimizer``'s step carries the commit vote (``_commit``): unless
+    ``MATEX_COMMIT_VOTE=0``, or it is Keras's LossScaleOptimizer: non-finite gradients
+    are its signal to lower the scale, decided on the reduced gradients (the same on
+    every rank), so the vote must not refuse those steps for it."""
     import keras
 
-    return isinstance(optimizer, keras.optimizers.LossScaleOptimizer)
+    return (_config.commit_vote()
+            and not isinstance(optimizer, keras.optimizers.LossScaleOptimizer))
 
 
 def _variable_names(variables, count):

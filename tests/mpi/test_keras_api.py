@@ -618,6 +618,27 @@ def test_a_step_whose_gradients_are_not_finite_on_one_rank_is_committed_on_none(
 
 
 @pytest.mark.skipif(N == 1, reason="at one rank the step is plain Keras's: nothing to vote")
+def test_without_the_vote_one_rank_s_nan_reaches_every_rank_s_weights(monkeypatch):
+    """MATEX_COMMIT_VOTE=0 (read when the step is traced): no vote rides, every step
+    commits, and the last rank's NaN is averaged into every rank's weights."""
+    from matex import _native
+
+    monkeypatch.setenv("MATEX_COMMIT_VOTE", "0")
+    batch = 4 * N
+    m = _linear()
+    x, y = _poisoned(batch, 2, bad_steps=[1])
+    core = _native.core()
+    before = core.flight_sequence()
+    m.fit(x, y, batch_size=batch, epochs=1, shuffle=False, verbose=0)
+    fused = [e["num_tensors"] for e in core.flight_entries() if e["seq"] > before
+             and e["kind"] == 2]
+    # per step: kernel, bias and the rows, no vote (then the epoch's metrics)
+    assert fused.count(3) == 2 and 4 not in fused, fused
+    assert int(m.optimizer.iterations) == 2
+    assert all(np.isnan(w).all() for w in m.get_weights())
+
+
+@pytest.mark.skipif(N == 1, reason="at one rank the step is plain Keras's: nothing to vote")
 def test_refused_steps_in_a_row_stop_every_rank_at_the_limit(monkeypatch):
     """MATEX_SKIP_LIMIT bounds the refused steps in a row: with 2, the second refused step
     raises the same error on every rank (none left waiting); a committed step in between
