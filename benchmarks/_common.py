@@ -192,7 +192,8 @@ def per_call(fn, calls, barrier=None):
 def interleave(variants, rounds, warmup=1):
     """Median of each variant's measurements, taken round-robin.
 
-    ``variants`` maps a name to a callable returning one measurement. Each
+    ``variants`` maps a name to a callable returning one measurement (a number, or
+    a dict of them: each figure's median is taken, ``median_merge``). Each
     round measures every variant once, starting one variant later than the
     previous round, so slow drifts of the machine hit all variants alike; the
     first ``warmup`` rounds are discarded. Every rank must call this with the
@@ -206,7 +207,7 @@ def interleave(variants, rounds, warmup=1):
             value = variants[name]()
             if r >= warmup:
                 samples[name].append(value)
-    return {name: statistics.median(values) for name, values in samples.items()}
+    return {name: median_merge(values) for name, values in samples.items()}
 
 
 def worst_over_ranks(comm, result, pick=max):

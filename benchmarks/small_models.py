@@ -135,6 +135,21 @@ def plain_keras():
             setattr(owner, name, function)
 
 
+def fit_step_ms(keras, model, x, y, batch):
+    """``model.fit`` over ``x``, ``y`` once: per-step CPU ms of this process (all its
+    threads) and wall ms, from the end of the first step (which may trace) to the end of
+    the last."""
+    class StepEnds(keras.callbacks.Callback):
+        def on_train_batch_end(self, batch, logs=None):
+            self.ends = getattr(self, "ends", []) + [(time.process_time(), time.perf_counter())]
+
+    ends = StepEnds()
+    model.fit(x, y, batch_size=batch, epochs=1, verbose=0, shuffle=False, callbacks=[ends])
+    (cpu0, wall0), (cpu1, wall1) = ends.ends[0], ends.ends[-1]
+    n = len(ends.ends) - 1
+    return {"cpu_ms": (cpu1 - cpu0) * 1e3 / n, "wall_ms": (wall1 - wall0) * 1e3 / n}
+
+
 def worker(args):
     """Every model, plain Keras and MaTEx, alternately; per-step CPU/wall time, op counts."""
     import keras
@@ -153,30 +168,16 @@ def worker(args):
             with plain_keras() if kind == "keras" else contextlib.nullcontext():
                 variants[name, kind] = build(keras, np, name, batch * steps, seq_len) + (batch,)
 
-    class StepEnds(keras.callbacks.Callback):
-        def on_train_batch_end(self, batch, logs=None):
-            self.ends = getattr(self, "ends", []) + [(time.process_time(), time.perf_counter())]
-
     def measure(key):
         model, x, y, batch = variants[key]
-        ends = StepEnds()
         with plain_keras() if key[1] == "keras" else contextlib.nullcontext():
-            model.fit(x, y, batch_size=batch, epochs=1, verbose=0, shuffle=False,
-                      callbacks=[ends])
-        (cpu0, wall0), (cpu1, wall1) = ends.ends[0], ends.ends[-1]
-        n = len(ends.ends) - 1   # from the end of the 1st step (which may trace)
-        return {"cpu_ms": (cpu1 - cpu0) * 1e3 / n, "wall_ms": (wall1 - wall0) * 1e3 / n}
+            return fit_step_ms(keras, model, x, y, batch)
 
-    keys = list(variants)
-    samples = {key: [] for key in keys}
-    for r in range(warmup + measurements):   # every variant once per round, order rotating
-        for key in keys[r % len(keys):] + keys[:r % len(keys)]:
-            value = measure(key)
-            if r >= warmup:
-                samples[key].append(value)
+    samples = _common.interleave({key: (lambda key=key: measure(key)) for key in variants},
+                                 measurements, warmup)
     figures = {name: {} for name in MODELS}
     for (name, kind), values in samples.items():
-        figures[name][kind] = _common.median_merge(values)
+        figures[name][kind] = values
         ops, matex_ops = step_ops(variants[name, kind][0])
         figures[name][kind].update(ops=ops, matex_ops=matex_ops)
     figures = _common.worst_over_ranks(_runtime.control(), figures)
