@@ -294,3 +294,41 @@ def test_mpi_start_driver(tmp_path):
     for variant, btl, start, start_ratio, job, job_ratio in rows:
         assert float(start) > 0 and float(job) >= float(start), rows
     assert rows[0][3] == rows[0][5] == "1.00", rows
+
+
+def test_horovod_synthetic_driver_without_horovod(tmp_path):
+    """Horovod's synthetic benchmark without Horovod's virtualenv (as in CI): its three rows
+    say "not run"; MaTEx at 1 and 2 ranks and plain TF 2.21 ran, and every ratio shown is
+    the quotient of the img/s figures shown."""
+    out = tmp_path / "horovod_synthetic.json"
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks" / "horovod_synthetic.py"), "--quick",
+         "--model", "tiny", "--horovod-python", str(tmp_path / "no-such-python"),
+         "--json", str(out)],
+        cwd=ROOT, env=dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2"), capture_output=True,
+        text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+    assert "Horovod phases not run: " in proc.stdout, proc.stdout
+    rows = table_rows(proc.stdout)
+    assert [row[:3] for row in rows] == [
+        ["plain TF, no Horovod", "TF 2.16 + Keras 2 (tf_keras)", "1"],
+        ["Horovod 0.28.1 (gloo)", "TF 2.16 + Keras 2 (tf_keras)", "1"],
+        ["Horovod 0.28.1 (gloo)", "TF 2.16 + Keras 2 (tf_keras)", "2"],
+        ["plain TF, no Horovod", "TF 2.21 + Keras 3", "1"],
+        ["MaTEx --horovod", "TF 2.21 + Keras 3", "1"],
+        ["MaTEx --horovod", "TF 2.21 + Keras 3", "2"]], proc.stdout
+    for row in rows[:3]:
+        assert row[3:] == ["not run", "-", "-", "-", "-"], row
+    plain, one, two = (float(row[3]) for row in rows[3:])
+    assert min(plain, one, two) > 0 and all(float(row[4]) > 0 for row in rows[3:]), rows
+    # the counterparts did not run: no ratio against them
+    assert [row[5] for row in rows[3:]] == ["-", "-", "-"], rows
+    assert [row[6:] for row in rows[3:]] == [
+        ["-", "-"], ["%.2f" % (one / plain), "-"], ["%.2f" % (two / plain), "%.2f" % (two / one)]]
+    results = json.loads(out.read_text())
+    assert results["horovod_missing"] and set(results["results"]) == {
+        "plain-tf221", "matex-1", "matex-2"}, results
+    assert [results["results"][name]["ranks"] for name in ("plain-tf221", "matex-1",
+                                                           "matex-2")] == [1, 1, 2]
+    assert results["results"]["matex-1"]["horovod"].startswith("matex.horovod.tensorflow")
+    assert results["results"]["plain-tf221"]["horovod"] is None
