@@ -24,9 +24,15 @@ RESULT_MARK = "MATEX-BENCH-RESULT "
 
 # ---- driver side ------------------------------------------------------------
 
-def parse_args(description, workers, repeats):
-    """Command-line options shared by the drivers; ``workers`` are the phase names."""
+def parse_args(description, workers, repeats, choose_phases=False):
+    """Command-line options shared by the drivers; ``workers`` are the phase names
+    (``choose_phases``: a ``--phases`` option runs only those named)."""
     parser = argparse.ArgumentParser(description=description)
+    if choose_phases:
+        parser.add_argument("--phases", type=lambda text: text.split(","),
+                            default=list(workers),
+                            help="comma-separated phases to run (default all: %s)"
+                                 % ",".join(workers))
     parser.add_argument("--quick", action="store_true",
                         help="few sizes and iterations (smoke run, figures are rough)")
     parser.add_argument("--repeats", type=int, default=None,
@@ -40,6 +46,10 @@ def parse_args(description, workers, repeats):
         args.repeats = 1 if args.quick else repeats
     if args.repeats < 1:
         parser.error("--repeats must be at least 1")
+    unknown = set(getattr(args, "phases", ())) - set(workers)
+    if unknown:
+        parser.error("unknown phase(s) %s: choose from %s" % (
+            ",".join(sorted(unknown)), ",".join(workers)))
     return args
 
 
@@ -104,18 +114,21 @@ def median_merge(results):
     return statistics.median(results)
 
 
-def header(title, command):
-    """Lines saying what ran, where, and the command that reproduces it."""
+def package_version(*names):
+    """The installed version of the first of ``names`` that is installed, or "?"."""
     import importlib.metadata as md
 
-    def version(*names):
-        for name in names:
-            try:
-                return md.version(name)
-            except md.PackageNotFoundError:
-                pass
-        return "?"
+    for name in names:
+        try:
+            return md.version(name)
+        except md.PackageNotFoundError:
+            pass
+    return "?"
 
+
+def header(title, command):
+    """Lines saying what ran, where, and the command that reproduces it."""
+    version = package_version
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
     return "\n".join([
         "## %s" % title,

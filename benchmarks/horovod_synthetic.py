@@ -16,7 +16,7 @@ batches, then ``--num-iters`` timed runs of ``--num-batches-per-iter`` batches.
 Its figure is images per second over all ranks (median of the timed runs, as
 rank 0 sees them), and rank 0's CPU time per step (all its threads).
 
-The driver runs the same file six ways, alternating, ``--rounds`` times (the
+The driver runs the same file nine ways, alternating, ``--rounds`` times (the
 machine is shared: ratios are taken within one run), keeping each phase's
 median:
 
@@ -26,8 +26,12 @@ median:
 - ``matex``, 1 and 2 ranks: ``matexrun --horovod -np N`` in this interpreter
   (TensorFlow 2.21, Keras 3): ``import horovod.tensorflow`` is MaTEx's
   ``matex.horovod``;
-- ``plain``, one process in each interpreter, no Horovod at all (``--plain``:
-  the frameworks' own difference, TF 2.16 + Keras 2 against TF 2.21 + Keras 3).
+- ``matex-k2``, 1 and 2 ranks: the same with ``TF_USE_LEGACY_KERAS=1``, so
+  that ``tf.keras`` is Keras 2 (``tf_keras`` 2.21) as in Horovod's phases: the
+  like-for-like comparison of the two distributed layers;
+- ``plain``, one process per stack, no Horovod at all (``--plain``: the
+  frameworks' own difference: TF 2.16 + Keras 2, TF 2.21 + Keras 3, TF 2.21 +
+  Keras 2).
 
 When ``--horovod-python`` is missing or cannot import ``horovod.tensorflow``,
 its three rows say "not run" and the rest runs. Horovod is never a MaTEx
@@ -144,16 +148,7 @@ def worker(args):
         wall, cpu = time.perf_counter() - wall0, time.process_time() - cpu0
         rates.append(size * args.batch_size * args.num_batches_per_iter / wall)
         cpu_ms.append(cpu * 1e3 / args.num_batches_per_iter)
-    import importlib.metadata as md
-
-    def version(*names):
-        for name in names:
-            try:
-                return md.version(name)
-            except md.PackageNotFoundError:
-                pass
-        return "?"
-
+    version = _common.package_version
     _common.emit({"ranks": size, "img_s": statistics.median(rates),
                   "cpu_ms_step": statistics.median(cpu_ms), "first_step_s": first_s,
                   "tensorflow": tf.__version__,
@@ -168,6 +163,9 @@ def worker(args):
 PHASES = (   # name, framework, ranks
     ("plain-tf216", "horovod", 0), ("horovod-1", "horovod", 1), ("horovod-2", "horovod", 2),
     ("plain-tf221", "matex", 0), ("matex-1", "matex", 1), ("matex-2", "matex", 2),
+    # the same script with tf.keras as Keras 2 (tf_keras 2.21), as Horovod's phases have it
+    ("plain-tf221-k2", "matex-k2", 0), ("matex-k2-1", "matex-k2", 1),
+    ("matex-k2-2", "matex-k2", 2),
 )
 
 
@@ -211,6 +209,8 @@ def phase_command(name, framework, ranks, args):
                  python, script] + body, horovod_env())
     env = _common.launch_env()
     env.pop("TF_USE_LEGACY_KERAS", None)
+    if framework == "matex-k2":
+        env["TF_USE_LEGACY_KERAS"] = "1"
     if ranks == 0:
         return [sys.executable, script] + body, env
     # matexrun, as a user runs it (it adds mpiexec's --bind-to none on one machine)
@@ -258,10 +258,15 @@ LABELS = {"plain-tf216": ("plain TF, no Horovod", "TF 2.16 + Keras 2 (tf_keras)"
           "horovod-2": ("Horovod 0.28.1 (gloo)", "TF 2.16 + Keras 2 (tf_keras)"),
           "plain-tf221": ("plain TF, no Horovod", "TF 2.21 + Keras 3"),
           "matex-1": ("MaTEx --horovod", "TF 2.21 + Keras 3"),
-          "matex-2": ("MaTEx --horovod", "TF 2.21 + Keras 3")}
-COUNTERPART = {"plain-tf221": "plain-tf216", "matex-1": "horovod-1", "matex-2": "horovod-2"}
-ONE_RANK = {"horovod-2": "horovod-1", "matex-2": "matex-1"}
-PLAIN = {"horovod": "plain-tf216", "matex": "plain-tf221"}
+          "matex-2": ("MaTEx --horovod", "TF 2.21 + Keras 3"),
+          "plain-tf221-k2": ("plain TF, no Horovod", "TF 2.21 + Keras 2 (tf_keras)"),
+          "matex-k2-1": ("MaTEx --horovod", "TF 2.21 + Keras 2 (tf_keras)"),
+          "matex-k2-2": ("MaTEx --horovod", "TF 2.21 + Keras 2 (tf_keras)")}
+COUNTERPART = {"plain-tf221": "plain-tf216", "matex-1": "horovod-1", "matex-2": "horovod-2",
+               "plain-tf221-k2": "plain-tf216", "matex-k2-1": "horovod-1",
+               "matex-k2-2": "horovod-2"}
+ONE_RANK = {"horovod-2": "horovod-1", "matex-2": "matex-1", "matex-k2-2": "matex-k2-1"}
+PLAIN = {"horovod": "plain-tf216", "matex": "plain-tf221", "matex-k2": "plain-tf221-k2"}
 
 
 def report(results, args):

@@ -2,6 +2,7 @@
 
     python benchmarks/small_models.py            # full run
     python benchmarks/small_models.py --quick    # smoke run (2 ranks only)
+    python benchmarks/small_models.py --phases ranks1 --repeats 5   # 1 rank, longer
 
 Four keras-io-like models on synthetic data, trained by ``fit`` on NumPy
 arrays with Adam and an accuracy metric, batch 32 per process:
@@ -278,15 +279,17 @@ def report(results):
 
 def main():
     """Driver (no ``--worker``) or one worker phase."""
-    args = _common.parse_args(__doc__.splitlines()[0], [p[0] for p in PHASES], repeats=3)
+    args = _common.parse_args(__doc__.splitlines()[0], [p[0] for p in PHASES], repeats=3,
+                              choose_phases=True)
     if args.worker:
         return (worker_mwms if args.worker == "mwms2" else worker)(args)
     extra = ["--quick"] if args.quick else []
     # --quick: the 2-rank phase alone (each phase traces all four models: most of its time)
     phases = {name: dict(nranks=n, args=extra) for name, n in PHASES
-              if n > 1 or not args.quick}
+              if (n > 1 or not args.quick) and name in args.phases}
     results = _common.run_phases(__file__, phases, args.repeats)
-    command = "python benchmarks/small_models.py" + (" --quick" if args.quick else "")
+    command = "python benchmarks/small_models.py" + (" --quick" if args.quick else "") + (
+        " --phases " + ",".join(args.phases) if len(args.phases) < len(PHASES) else "")
     print(_common.header("small models: per-step cost, matex vs plain Keras", command))
     print(report(results))
     _common.write_json(args.json, results)

@@ -323,8 +323,8 @@ def test_step_settings_driver(tmp_path):
 
 def test_horovod_synthetic_driver_without_horovod(tmp_path):
     """Horovod's synthetic benchmark without Horovod's virtualenv (as in CI): its three rows
-    say "not run"; MaTEx at 1 and 2 ranks and plain TF 2.21 ran, and every ratio shown is
-    the quotient of the img/s figures shown."""
+    say "not run"; MaTEx at 1 and 2 ranks and plain TF 2.21 ran, with Keras 3 and with
+    Keras 2 (tf_keras), and every ratio shown is the quotient of the img/s figures shown."""
     out = tmp_path / "horovod_synthetic.json"
     proc = subprocess.run(
         [sys.executable, str(ROOT / "benchmarks" / "horovod_synthetic.py"), "--quick",
@@ -341,19 +341,26 @@ def test_horovod_synthetic_driver_without_horovod(tmp_path):
         ["Horovod 0.28.1 (gloo)", "TF 2.16 + Keras 2 (tf_keras)", "2"],
         ["plain TF, no Horovod", "TF 2.21 + Keras 3", "1"],
         ["MaTEx --horovod", "TF 2.21 + Keras 3", "1"],
-        ["MaTEx --horovod", "TF 2.21 + Keras 3", "2"]], proc.stdout
+        ["MaTEx --horovod", "TF 2.21 + Keras 3", "2"],
+        ["plain TF, no Horovod", "TF 2.21 + Keras 2 (tf_keras)", "1"],
+        ["MaTEx --horovod", "TF 2.21 + Keras 2 (tf_keras)", "1"],
+        ["MaTEx --horovod", "TF 2.21 + Keras 2 (tf_keras)", "2"]], proc.stdout
     for row in rows[:3]:
         assert row[3:] == ["not run", "-", "-", "-", "-"], row
-    plain, one, two = (float(row[3]) for row in rows[3:])
-    assert min(plain, one, two) > 0 and all(float(row[4]) > 0 for row in rows[3:]), rows
-    # the counterparts did not run: no ratio against them
-    assert [row[5] for row in rows[3:]] == ["-", "-", "-"], rows
-    assert [row[6:] for row in rows[3:]] == [
-        ["-", "-"], ["%.2f" % (one / plain), "-"], ["%.2f" % (two / plain), "%.2f" % (two / one)]]
+    for ran in (rows[3:6], rows[6:9]):   # Keras 3, then Keras 2
+        plain, one, two = (float(row[3]) for row in ran)
+        assert min(plain, one, two) > 0 and all(float(row[4]) > 0 for row in ran), rows
+        # the counterparts did not run: no ratio against them
+        assert [row[5] for row in ran] == ["-", "-", "-"], rows
+        assert [row[6:] for row in ran] == [
+            ["-", "-"], ["%.2f" % (one / plain), "-"],
+            ["%.2f" % (two / plain), "%.2f" % (two / one)]]
     results = json.loads(out.read_text())
-    assert results["horovod_missing"] and set(results["results"]) == {
-        "plain-tf221", "matex-1", "matex-2"}, results
-    assert [results["results"][name]["ranks"] for name in ("plain-tf221", "matex-1",
-                                                           "matex-2")] == [1, 1, 2]
-    assert results["results"]["matex-1"]["horovod"].startswith("matex.horovod.tensorflow")
+    names = ("plain-tf221", "matex-1", "matex-2", "plain-tf221-k2", "matex-k2-1", "matex-k2-2")
+    assert results["horovod_missing"] and set(results["results"]) == set(names), results
+    assert [results["results"][name]["ranks"] for name in names] == [1, 1, 2] * 2
+    for name in ("matex-1", "matex-k2-1"):
+        assert results["results"][name]["horovod"].startswith("matex.horovod.tensorflow")
     assert results["results"]["plain-tf221"]["horovod"] is None
+    assert results["results"]["plain-tf221"]["keras"].startswith("keras ")
+    assert results["results"]["matex-k2-2"]["keras"].startswith("tf_keras ")
