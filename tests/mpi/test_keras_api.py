@@ -723,6 +723,32 @@ def test_run_resilient_calls_a_refused_step_again_and_stops_every_rank_at_the_li
         _voting_loop(failures=3)
 
 
+def test_nothing_keeps_a_dead_model_alive():
+    """A search trains model after model in one process: once the script drops a model
+    that fit, evaluated and predicted under MaTEx (its optimizer distributed, its steps
+    traced, its metrics summed, its BatchNormalization synchronised), no cache of MaTEx's
+    holds it, its optimizer or its variables."""
+    import gc
+    import weakref
+
+    dead = []
+    for trial in range(2):
+        keras.utils.set_random_seed(trial)
+        m = keras.Sequential([keras.Input((4,)), keras.layers.Dense(8),
+                              keras.layers.BatchNormalization(), keras.layers.Dense(2)])
+        m.compile(keras.optimizers.Adam(0.01),
+                  keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+                  metrics=["accuracy"])
+        x, y = _frozen_data(16 * N)
+        m.fit(x, y, batch_size=4 * N, epochs=1, verbose=0)
+        m.evaluate(x, y, batch_size=4 * N, verbose=0)
+        m.predict(x, batch_size=4 * N, verbose=0)
+        dead += [weakref.ref(m), weakref.ref(m.optimizer), weakref.ref(m.layers[0].kernel)]
+        del m
+    gc.collect()
+    assert [r() is None for r in dead] == [True] * len(dead)
+
+
 def test_a_step_traced_again_with_the_reduction_makes_matex_s_counters():
     """A tf.function step traced first without MaTEx's reduction, then with it (Horovod's
     elastic example does this): MaTEx's byte ledger is made in the second trace, where
