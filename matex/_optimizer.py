@@ -227,7 +227,9 @@ def _weighted_average(grads, rows, threshold, names=None, variables=None, compre
         scaled = [_times(grads[i], count) for i in present]
         given = [names[i] for i in present] if names else [None] * len(scaled)
         held = [variables[i] for i in present] if variables else None
-        # the count and the vote first: they join the first bucket
+        # the count and the vote first: buckets are planned from the last gradient back,
+        # so they travel in the last bucket, with the first layers' gradients (the last
+        # ready): the vote, which reads every gradient, delays no earlier bucket
         reduced = _reduce.reduce_gradients(
             ride + scaled, [None] * len(ride) + held if held else None, None, "sum",
             threshold, [_ROWS_NAME, _VOTE_NAME][:len(ride)] + given)
