@@ -157,13 +157,16 @@ class _DistributedMixin:
 
 def _votes(optimizer) -> bool:
     """Whether ``optimizer``'s step carries the commit vote (``_commit``): unless
-    ``MATEX_COMMIT_VOTE=0``, or it is Keras's LossScaleOptimizer: non-finite gradients
+    ``MATEX_COMMIT_VOTE=0``; or it is Keras's LossScaleOptimizer: non-finite gradients
     are its signal to lower the scale, decided on the reduced gradients (the same on
-    every rank), so the vote must not refuse those steps for it."""
+    every rank), so the vote must not refuse those steps for it; or it was made in a
+    ``tf.distribute`` strategy's scope: its update merges the replicas, which TensorFlow
+    refuses inside the vote's ``tf.cond``."""
     import keras
 
     return (_config.commit_vote()
-            and not isinstance(optimizer, keras.optimizers.LossScaleOptimizer))
+            and not isinstance(optimizer, keras.optimizers.LossScaleOptimizer)
+            and _compat.optimizer_strategy(optimizer) is None)
 
 
 def _variable_names(variables, count):
