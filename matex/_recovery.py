@@ -355,7 +355,7 @@ def run_resilient(step: Callable[[int], Any], num_steps: int, variables: Iterabl
 
     def body():
         first_step_sync()
-        tries = 0
+        tries, limit = 0, _config.skip_limit()
         while int(optimizer.iterations) < num_steps:
             at = int(optimizer.iterations)
             for s in states:
@@ -364,7 +364,7 @@ def run_resilient(step: Callable[[int], Any], num_steps: int, variables: Iterabl
             # a step that committed nothing (``matex.should_commit`` refused it) is called
             # again; the counter is the same on every rank, so all stop together
             tries = tries + 1 if int(optimizer.iterations) == at else 0
-            if tries >= _config.skip_limit():
+            if tries >= limit:
                 raise MatexError(
                     "matex: run_resilient: step %d was called %d times in a row and "
                     "committed nothing (a vote refused it, or the step does not update "
