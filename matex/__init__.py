@@ -98,7 +98,7 @@ __all__ = [
     "sparse_allreduce", "stats", "LocalSGD", "DiLoCo", "flush",
     "grouped_allreduce", "barrier", "grouped_allgather", "grouped_reducescatter",
     "broadcast_object", "broadcast_object_fn", "allgather_object",
-    "alltoall", "reducescatter", "should_commit",
+    "alltoall", "reducescatter", "should_commit", "clear_session",
 ]
 
 _LAZY = {
@@ -128,6 +128,7 @@ _LAZY = {
     "alltoall": "matex._collectives",          # Horovod's API (#25)
     "reducescatter": "matex._collectives",
     "should_commit": "matex._commit",          # one commit vote per step (#32)
+    "clear_session": "matex._state",           # one reset of MaTEx's caches (#32)
 }
 
 
@@ -146,6 +147,7 @@ if TYPE_CHECKING:   # type checkers and IDEs see the lazy names' own signatures
     from matex._recovery import run_resilient
     from matex._resilience import on_rank_loss
     from matex._sparse import sparse_allreduce
+    from matex._state import clear_session
     from matex._stats import stats
     from matex._tape import DistributedGradientTape
     from matex.errors import mpi_error_class

@@ -198,11 +198,11 @@ def _report_exit(rank, code):
     from matex import _runtime, _status
 
     lost = ()
-    if _runtime._comm is not None:
+    if _runtime.started():
         from mpi4py import MPI
 
         try:
-            world, group = MPI.COMM_WORLD.Get_group(), _runtime._comm.Get_group()
+            world, group = MPI.COMM_WORLD.Get_group(), _runtime.comm().Get_group()
             alive = MPI.Group.Translate_ranks(group, list(range(group.Get_size())), world)
             lost = set(range(world.Get_size())) - set(alive)
             group.Free()

@@ -39,7 +39,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-from matex import _atomic, _config
+from matex import _atomic, _config, _state
 
 
 class BuildError(RuntimeError):
@@ -267,7 +267,7 @@ def _file_key(path):
     return (str(path), real, st.st_size, st.st_mtime_ns)
 
 
-_probed = {}   # probe file path -> value, for this process
+_probed = _state.table("build.probed", lifetime="process")   # probe file path -> value
 
 
 def _probe(name, inputs, compute, still_valid=lambda value: True):

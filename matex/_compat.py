@@ -14,6 +14,8 @@ import importlib
 import warnings
 from typing import Iterator
 
+from matex import _state
+
 TESTED_KERAS = ((3, 15), (3, 15))   # inclusive minor-version range tested
 TESTED_TENSORFLOW = ((2, 21), (2, 21))
 TESTED_KERAS_TUNER = ((1, 4), (1, 4))   # keras-tuner 1.4.8 tested (matex.hpo)
@@ -249,15 +251,14 @@ def require_extra(modules: tuple[str, ...], extra: str, what: str) -> None:
                           % (what, " and ".join(missing), extra))
 
 
-_warned = False
+_now = _state.namespace("compat", "process", warned=False)
 
 
 def warn_if_untested():
     """Warn once if Keras or TensorFlow is outside the versions MaTEx was tested with."""
-    global _warned
-    if _warned:
+    if _now.warned:
         return
-    _warned = True
+    _now.warned = True
     import keras
     import tensorflow as tf
 

@@ -13,6 +13,8 @@ Nothing here imports MPI or TensorFlow.
 import os
 from typing import NamedTuple
 
+from matex import _state
+
 
 class Variable(NamedTuple):
     """One registered environment variable."""
@@ -25,7 +27,7 @@ class Variable(NamedTuple):
                       # test suite and benchmarks only
 
 
-VARIABLES: dict = {}
+VARIABLES: dict = _state.table("config.variables", lifetime="process")   # name -> Variable
 
 
 def _register(name: str, default: str, meaning: str, scope: str = "user") -> str:

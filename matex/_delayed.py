@@ -46,10 +46,10 @@ import tensorflow as tf
 if TYPE_CHECKING:
     import keras
 
-from matex import _collectives, _commit, _recovery, _stats
+from matex import _collectives, _commit, _recovery, _state, _stats
 from matex.compression._reduce import _name
 
-_exit_hook = []
+_exit_hook = _state.table("delayed.exit_hook", lifetime="process", factory=list)
 
 
 def _ops():

@@ -34,7 +34,7 @@ A fault fires once.
 import os
 import signal
 
-from matex import _config
+from matex import _config, _state
 
 KINDS = ("kill", "exception", "hang")
 PLACES = ("allreduce", "begin", "evaluate", "checkpoint", "start", "fit", "build", "init",
@@ -82,7 +82,7 @@ def parse(spec):
     return faults
 
 
-_pending = None
+_now = _state.namespace("faults", "process", pending=None)
 
 
 def _world_rank():
@@ -97,18 +97,17 @@ def _world_rank():
 
 def pending():
     """This rank's faults not yet fired (parsed once from MATEX_INJECT_FAULT)."""
-    global _pending
-    if _pending is None:
+    if _now.pending is None:
         rank = _world_rank()
-        _pending = [f for f in parse(_config.inject_fault_spec()) if f.rank == rank]
-    return _pending
+        _now.pending = [f for f in parse(_config.inject_fault_spec()) if f.rank == rank]
+    return _now.pending
 
 
 def maybe_fail(step, at):
     """Fire this rank's fault planned for ``step`` at place ``at``, if any."""
     for fault in list(pending()):
         if fault.step == int(step) and fault.at == at:
-            _pending.remove(fault)
+            _now.pending.remove(fault)
             _fire(fault)
 
 

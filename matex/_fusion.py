@@ -9,14 +9,14 @@ computing the earlier layers' gradients.
 """
 
 
-from matex import _collectives, _config
+from matex import _collectives, _config, _state
 
 fusion_threshold = _config.fusion_threshold
 
 # Fused op's node name -> the names of the tensors in its bucket, recorded when
 # a graph is built (nothing per step): the timeline labels each fused
 # collective with them.
-bucket_names = {}
+bucket_names = _state.table("fusion.bucket_names", lifetime="session")
 
 
 def _nbytes(t):

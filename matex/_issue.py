@@ -9,25 +9,27 @@ The layer below ``matex._collectives`` (the public collectives), ``matex._adasum
 from __future__ import annotations
 
 import contextlib
-import weakref
 from typing import Iterator
 
 import tensorflow as tf
 
-from matex import _native, _runtime
+from matex import _native, _runtime, _state
 
 REDUCE_OPS = ("sum", "average", "min", "max", "product")
 DTYPES = (tf.float16, tf.bfloat16, tf.float32, tf.float64, tf.int32, tf.int64,
           tf.uint8, tf.int8, tf.uint16, tf.int16, tf.bool)
 
 
-_barriers = weakref.WeakKeyDictionary()   # graph -> op every later collective waits for
+# graph -> op every later collective waits for
+_barriers = _state.weak_table("issue.barriers", "process")
 
 
-_loaded = None   # the op library, once the C++ side holds a communicator
+_now = _state.namespace("issue", "process",
+                       loaded=None)   # the op library, once the C++ side holds a communicator
 
 _SEQ_ATTR = "_matex_seq"   # a MaTEx op's number in its TF1 graph (read by the kernels)
-_next_seq = weakref.WeakKeyDictionary()   # TF1 graph -> the number its next MaTEx op gets
+# TF1 graph -> the number its next MaTEx op gets
+_next_seq = _state.weak_table("issue.next_seq", "process")
 _UNSCHEDULED = frozenset({"matex_comm_info"})   # ops that never communicate
 
 
@@ -119,11 +121,10 @@ def mismatch_code(code: int) -> Iterator[None]:
 
 
 def _ops():
-    global _loaded
-    if _loaded is None:
+    if _now.loaded is None:
         _runtime._core()  # communicator handed to the C++ side before any op runs
-        _loaded = _Numbered(_native.tf_ops())
-    return _loaded
+        _now.loaded = _Numbered(_native.tf_ops())
+    return _now.loaded
 
 
 def set_barrier(op):

@@ -9,9 +9,11 @@ import importlib.util
 import sysconfig
 import threading
 
+from matex import _state
+
 _lock = threading.Lock()
-_core = None
-_ops = None
+_held = _state.namespace("native", core=None,   # the _matex_core pybind11 module, once loaded
+                         ops=None)              # the TensorFlow op library, once loaded
 
 
 def _check_single_mpi():
@@ -30,9 +32,8 @@ def _check_single_mpi():
 
 def core():
     """The ``_matex_core`` pybind11 module."""
-    global _core
     with _lock:
-        if _core is None:
+        if _held.core is None:
             from matex import _build
 
             directory = _build.core_dir()
@@ -41,14 +42,18 @@ def core():
             module = importlib.util.module_from_spec(spec)
             spec.loader.exec_module(module)
             _check_single_mpi()
-            _core = module
-    return _core
+            _held.core = module
+    return _held.core
+
+
+def loaded():
+    """The core if some caller has loaded it, else None (loads nothing)."""
+    return _held.core
 
 
 def tf_ops():
     """The TensorFlow op library (``tf.load_op_library`` result)."""
-    global _ops
-    if _ops is None:
+    if _held.ops is None:
         import tensorflow as tf
 
         from matex import _build
@@ -56,7 +61,7 @@ def tf_ops():
         directory = _build.tf_ops_dir()
         core()  # same libmatex_core.so: set the communicator before any op runs
         with _lock:
-            if _ops is None:
-                _ops = tf.load_op_library(str(directory / "matex_tf_ops.so"))
+            if _held.ops is None:
+                _held.ops = tf.load_op_library(str(directory / "matex_tf_ops.so"))
                 _check_single_mpi()
-    return _ops
+    return _held.ops

@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING, Optional
 
 import tensorflow as tf
 
-from matex import _collectives, _commit, _compat, _config, _faults, _recovery
+from matex import _collectives, _commit, _compat, _config, _faults, _recovery, _state
 from matex._recovery import has_value
 from matex.compression import _spec as _compression
 from matex.compression import _reduce
@@ -34,7 +34,8 @@ if TYPE_CHECKING:
 
     from matex.compression import Compressor
 
-_classes = {}
+# optimizer class -> its distributed subclass, made once
+_classes = _state.table("optimizer.classes", lifetime="process")
 _classes_lock = threading.Lock()
 
 
@@ -430,7 +431,8 @@ def DistributedOptimizer(optimizer: keras.optimizers.Optimizer | type | str,
 
 # ---- XLA: keep forward/backward compiled, reduce outside the cluster --------
 
-_xla_part = threading.local()   # .active: the XLA part of a split step is being traced
+# .active: the XLA part of a split step is being traced
+_xla_part = _state.local("optimizer.xla_part")
 
 
 def in_compiled_part() -> bool:

@@ -30,7 +30,8 @@ from __future__ import annotations
 import threading
 from typing import TYPE_CHECKING, Any, Iterable, Optional, Sequence, Union
 
-from matex import _resilience, _runtime
+from matex import _resilience, _runtime, _state
+from matex._rank_groups import RankGroup
 from matex._everywhere import agree_error
 
 if TYPE_CHECKING:
@@ -60,7 +61,7 @@ class ProcessSet:
         self.process_set_id = None
         self.ranks = None
         self.mpi_comm = None
-        self._slot: Optional[int] = None   # this rank's slot for the set (members only)
+        self._group: Optional[RankGroup] = None   # this rank's part of the set, once built
         self._world: list[int] = []        # the members' MPI_COMM_WORLD ranks (survive shrinks)
         if hasattr(ranks_or_comm, "Get_group"):
             self.mpi_comm = ranks_or_comm
@@ -111,7 +112,7 @@ class ProcessSet:
 
     def __str__(self) -> str:
         ranks = self.ranks
-        if self.process_set_id == 0 and _runtime._comm is not None:
+        if self.process_set_id == 0 and _runtime.started():
             ranks = list(range(_runtime.size()))
         return "ProcessSet(process_set_id=%s, ranks=%s, mpi_comm=%s)" % (
             self.process_set_id, ranks, self.mpi_comm)
@@ -122,8 +123,9 @@ class ProcessSet:
 global_process_set = ProcessSet([])
 global_process_set.process_set_id = 0
 
-_sets: dict[int, ProcessSet] = {}   # id (>= 1) -> registered set, identical on every rank
-_watching = [False]                 # whether the recovery hooks are installed
+# id (>= 1) -> registered set, identical on every rank
+_sets: dict[int, ProcessSet] = _state.table("process_sets.sets", lifetime="process")
+_now = _state.namespace("process_sets", watching=False)   # whether the recovery hooks are installed
 
 
 def _comm():
@@ -213,12 +215,8 @@ def _world_ranks(ranks: Sequence[int], comm) -> list[int]:
 
 def _build(ps: ProcessSet, comm) -> None:
     """Give ``ps`` (ranks set) its communicator on its members (collective over ``comm``)."""
-    from mpi4py import MPI
-
     ranks = ps.ranks or []
-    me = comm.Get_rank()
-    sub = comm.Split(0 if me in ranks else MPI.UNDEFINED, me)
-    ps._slot = None if sub == MPI.COMM_NULL else _runtime.register_comm(sub)
+    ps._group = RankGroup(comm, 0 if comm.Get_rank() in ranks else None)
     ps._world = _world_ranks(ranks, comm)
 
 
@@ -239,8 +237,8 @@ def _install(view: Sequence[int], comm, ps: Optional[ProcessSet] = None) -> Proc
 
 def _watch() -> None:
     """Install the recovery hooks once (on every rank: the first ``add`` is collective)."""
-    if not _watching[0]:
-        _watching[0] = True
+    if not _now.watching:
+        _now.watching = True
         _resilience.add_recovery_veto(_revoke_all)
         _resilience.on_rank_loss(_rebuild_all)
 
@@ -319,8 +317,6 @@ def remove(process_set: ProcessSet) -> bool:
     The global set cannot be removed (False). The set's communicator is freed
     and its id becomes free for the next ``add``.
     """
-    from mpi4py import MPI
-
     with _lock:
         sid = process_set.process_set_id
         known = sid is not None and sid != 0 and _same(_sets.get(sid), process_set)
@@ -340,14 +336,8 @@ def remove(process_set: ProcessSet) -> bool:
         registered = _sets.pop(sid)
         process_set._invalidate()
         registered._invalidate()
-        slot, registered._slot = registered._slot, None
-        if slot is not None:
-            sub = _runtime.slot_comm(slot)
-            _runtime.release_comm(slot)
-            try:
-                sub.Free()
-            except MPI.Exception:
-                pass   # left unusable by a failure: nothing to release
+        if registered._group is not None:
+            registered._group.release()
         return True
 
 
@@ -390,14 +380,14 @@ def slot_of(process_set: Optional[ProcessSet]) -> int:
         raise ValueError("%s is not a registered process set: add it with "
                          "hvd.add_process_set() or hvd.init(process_sets=...)" % (process_set,))
     assert ps is not None
-    if ps._slot is None:
+    if ps._group is None or not ps._group.member:
         import tensorflow as tf
 
         raise tf.errors.InvalidArgumentError(
             None, None, "rank %d is not a member of process set %d (ranks %s), so it cannot "
             "take part in its collectives; call them on the members only"
             % (_runtime.rank(), ps.process_set_id, ps.ranks))
-    return ps._slot
+    return ps._group.slot
 
 
 def root_in(process_set: Optional[ProcessSet], root_rank: int) -> int:
@@ -429,23 +419,15 @@ def _revoke_all() -> None:
     """Run first by the recovery: revoke the sets' communicators, so that a member
     blocked in one of them (waiting for a peer that went on to recover) fails too.
     Never raises: process sets do not stop a recovery."""
-    from mpi4py import MPI
-
     with _lock:
         for ps in _sets.values():
-            if ps._slot is None:
-                continue
-            try:
-                _runtime.slot_comm(ps._slot).Revoke()
-            except (MPI.Exception, KeyError, NotImplementedError):
-                pass   # already revoked, or freed
+            if ps._group is not None:
+                ps._group.revoke()
 
 
 def _rebuild_all(info: Any = None) -> None:
     """After a shrink: each set over its surviving members, in its old slot (collective
     over the survivors, who all run the listeners in the same order)."""
-    from mpi4py import MPI
-
     with _lock:
         comm = _comm()
         world_to_new = dict(zip(_world_ranks(range(comm.Get_size()), comm),
@@ -458,14 +440,6 @@ def _rebuild_all(info: Any = None) -> None:
             ranks = sorted(world_to_new[w] for w in ps._world if w in world_to_new)
             ps.ranks = ranks
             ps._world = _world_ranks(ranks, comm)
-            sub = comm.Split(0 if me in ranks else MPI.UNDEFINED, me)
-            old = ps._slot
-            if sub == MPI.COMM_NULL:
-                continue   # not a member (it never was: membership only shrinks)
-            sub.Set_errhandler(MPI.ERRORS_RETURN)
-            stale = _runtime.slot_comm(old)
-            _runtime.replace_comm(old, sub)
-            try:
-                stale.Free()
-            except MPI.Exception:
-                pass   # a communicator the failure left unusable: nothing to release
+            # a rank outside stays outside (membership only shrinks); a member's slot
+            # stays, pointed at the survivors
+            ps._group.rebuild(comm, 0 if me in ranks else None)

@@ -37,11 +37,11 @@ import time
 import traceback
 from typing import Any, Callable, TypeVar
 
-from matex import _config, _runtime
+from matex import _config, _runtime, _state
 from matex.errors import (MismatchError, RankFailure, _failure_classes, is_rank_failure,
                           mpi_error_class)
 
-_listeners = []
+_listeners = _state.table("resilience.listeners", lifetime="process", factory=list)
 
 launched_with_ft = _config.ft_requested
 mode = _runtime.ft_mode
@@ -147,7 +147,8 @@ def on_rank_loss(function: _Listener) -> _Listener:
     return function
 
 
-_vetoes = []   # run first by recover(); one raises when this job must not shrink and go on
+# run first by recover(); one raises when this job must not shrink and go on
+_vetoes = _state.table("resilience.vetoes", lifetime="process", factory=list)
 
 
 def add_recovery_veto(function):
@@ -352,7 +353,7 @@ def die_like_a_crash(text):
         _status.report_failure(rank, text)
     except Exception:  # noqa: BLE001 - a rank that cannot report must still die
         pass
-    if _runtime._comm is not None and _runtime._comm.Get_size() == 1:
+    if _runtime.started() and _runtime.comm().Get_size() == 1:
         os._exit(1)
     os.kill(os.getpid(), signal.SIGKILL)
 

@@ -20,7 +20,7 @@ import threading
 import time
 from typing import TYPE_CHECKING, Any, Callable, TypeVar
 
-from matex import _config
+from matex import _config, _state
 
 if TYPE_CHECKING:
     from mpi4py import MPI
@@ -43,14 +43,18 @@ def _run_as_is(function: _F) -> _F:
     return function
 
 
-_comm = None        # mpi4py communicator every collective uses
-_control = None     # duplicate of _comm for MaTEx's Python-level messages
-_local = None       # ranks of _comm sharing this node
-_owned = False      # whether MaTEx created _comm (then it frees it when replaced)
-_cross = None       # (cross rank, cross size, homogeneous) of _comm, computed with it
-_farewell = None    # duplicate of MPI_COMM_WORLD for leave_together() alone (no ULFM)
-control_class = None   # while matex.hpo searches: the class of new control communicators
-_peers = None       # world rank -> (hostname, pid) of the ranks alive at start-up (ULFM)
+_now = _state.namespace(
+    "runtime",
+    comm=None,        # mpi4py communicator every collective uses
+    control=None,     # duplicate of comm for MaTEx's Python-level messages
+    local=None,       # ranks of comm sharing this node
+    owned=False,      # whether MaTEx created comm (then it frees it when replaced)
+    cross=None,       # (cross rank, cross size, homogeneous) of comm, computed with it
+    farewell=None,    # duplicate of MPI_COMM_WORLD for leave_together() alone (no ULFM)
+    control_class=None,   # while matex.hpo searches: the class of new control communicators
+    peers=None,       # world rank -> (hostname, pid) of the ranks alive at start-up (ULFM)
+    pointed=False,    # whether the core was handed the communicators (by _core)
+)
 
 PROGRESS_INTERVAL = 0.05   # seconds between a background thread's entries into MPI
 
@@ -74,9 +78,8 @@ def init(comm: MPI.Intracomm | None = None) -> None:
     ``MATEX_START_TIMEOUT`` seconds, the ranks that did raise an error instead
     of hanging.
     """
-    global _farewell
     with _lock:
-        if _comm is not None and comm is None:
+        if _now.comm is not None and comm is None:
             return
         from mpi4py import MPI
 
@@ -89,11 +92,11 @@ def init(comm: MPI.Intracomm | None = None) -> None:
             MPI.COMM_WORLD.Set_errhandler(MPI.ERRORS_RETURN)
             _wait_for_every_rank(MPI.COMM_WORLD)
             _set_comm(MPI.COMM_WORLD.Dup())
-            if _farewell is None:
-                _farewell = MPI.COMM_WORLD.Dup()
+            if _now.farewell is None:
+                _now.farewell = MPI.COMM_WORLD.Dup()
         from matex import _cpu
 
-        _cpu.size_pools(_local)   # before TensorFlow makes its thread pools
+        _cpu.size_pools(_now.local)   # before TensorFlow makes its thread pools
 
 
 def leave_together(timeout: float) -> bool | None:
@@ -106,7 +109,7 @@ def leave_together(timeout: float) -> bool | None:
     so it can never match a collective a peer is blocked in. None when MaTEx
     did not start on ``MPI_COMM_WORLD`` itself (no such communicator: unknown).
     """
-    comm = _farewell
+    comm = _now.farewell
     if comm is None:
         return None
     request = comm.Ibarrier()
@@ -200,7 +203,6 @@ def _start_ulfm():
     training began is dropped here, uniformly on every survivor, instead of
     failing the first collective. Also records every survivor's host and pid.
     """
-    global _peers
     import socket
 
     from mpi4py import MPI
@@ -216,7 +218,7 @@ def _start_ulfm():
     _wait_for_every_rank(world, tolerate=failures)
     me = (world.Get_rank(), socket.gethostname(), os.getpid())
     try:   # every launched rank, to end lost ones that still run on this host
-        _peers = {r: (host, pid) for r, host, pid in world.allgather(me)}
+        _now.peers = {r: (host, pid) for r, host, pid in world.allgather(me)}
     except MPI.Exception as exc:
         if exc.Get_error_class() not in failures:
             raise
@@ -226,18 +228,18 @@ def _start_ulfm():
         # again, as recovery does, instead of failing the survivor.
         try:
             _set_comm(world.Shrink())
-            alive = {r: (host, pid) for r, host, pid in _control.allgather(me)}
+            alive = {r: (host, pid) for r, host, pid in _now.control.allgather(me)}
             break
         except MPI.Exception as exc:
             if exc.Get_error_class() not in failures or attempt == 4:
                 raise
-    _peers = _peers or alive
+    _now.peers = _now.peers or alive
     lost = sorted(set(range(world.Get_size())) - set(alive))
     if lost:
         end_lost_processes(lost)
-        if _comm.Get_rank() == 0:
+        if _now.comm.Get_rank() == 0:
             sys.stderr.write("matex: rank(s) %s failed during start-up; %d rank(s) go on\n"
-                             % (", ".join(map(str, lost)), _comm.Get_size()))
+                             % (", ".join(map(str, lost)), _now.comm.Get_size()))
             sys.stderr.flush()
 
 
@@ -246,11 +248,11 @@ def end_lost_processes(world_ranks):
     import signal
     import socket
 
-    if _peers is None:
+    if _now.peers is None:
         return
     here = socket.gethostname()
     for rank in world_ranks:
-        host, pid = _peers.get(rank, (None, None))
+        host, pid = _now.peers.get(rank, (None, None))
         if host == here and pid != os.getpid():
             try:
                 os.kill(pid, signal.SIGKILL)
@@ -276,7 +278,6 @@ def _set_comm(comm, owned=True):
     MaTEx created it: one the script passed to ``init`` stays the script's).
     Freeing is local in MPI, so it is safe on a revoked communicator.
     """
-    global _comm, _control, _local, _owned, _cross
     from mpi4py import MPI
 
     with _lock:
@@ -284,17 +285,18 @@ def _set_comm(comm, owned=True):
         local = comm.Split_type(MPI.COMM_TYPE_SHARED, key=comm.Get_rank())
         # Horovod's cross figures, collectively now, so reading them later is local (a
         # rank that alone asks for hvd.cross_size() must not start a collective)
-        _cross = _cross_figures_of(comm, local)
+        _now.cross = _cross_figures_of(comm, local)
         control = comm.Dup()
         control.Set_errhandler(MPI.ERRORS_RETURN)
-        if control_class is not None:
-            control = control_class(control)   # the same handle, with checked collectives
-        old = (_comm, _control, _local, _owned)
-        _comm, _control, _local, _owned = comm, control, local, owned
+        if _now.control_class is not None:
+            control = _now.control_class(control)   # the same handle, with checked collectives
+        old = (_now.comm, _now.control, _now.local, _now.owned)
+        _now.comm, _now.control, _now.local, _now.owned = comm, control, local, owned
         from matex import _native
 
-        if _native._core is not None:
-            _native._core.set_communicator(MPI._handleof(comm))
+        core = _native.loaded()
+        if core is not None:
+            core.set_communicator(MPI._handleof(comm))
         old_comm, old_control, old_local, old_owned = old
         for c in (old_local, old_control) + ((old_comm,) if old_owned else ()):
             if c is not None and c != MPI.COMM_NULL:
@@ -307,10 +309,7 @@ def _set_comm(comm, owned=True):
 def communicators() -> list:
     """Every communicator MaTEx uses now (data, control, slots), without initialising MPI."""
     with _lock:
-        return [c for c in [_comm, _control] + list(_slots.values()) if c is not None]
-
-
-_pointed = False   # whether the core was handed the communicators (by _core)
+        return [c for c in [_now.comm, _now.control] + list(_slots.values()) if c is not None]
 
 
 def _core():
@@ -318,18 +317,16 @@ def _core():
     from mpi4py import MPI
 
     from matex import _native
-
-    global _pointed
     init()
     module = _native.core()
-    if not _pointed:
+    if not _now.pointed:
         # once per process, whoever loaded the module first: the readers load the op
         # library (and with it the core) for their tf.data op without any communicator
         with _lock:
-            module.set_communicator(MPI._handleof(_comm))
+            module.set_communicator(MPI._handleof(_now.comm))
             for slot, sub in _slots.items():
                 module.set_communicator_slot(slot, MPI._handleof(sub))
-            _pointed = True
+            _now.pointed = True
     while _core_hooks:
         _core_hooks.pop(0)(module)
     return module
@@ -342,7 +339,7 @@ def _core():
 # own. The slot number is what a traced function captures, never a handle, so
 # replacing a slot's communicator (after a failure) needs no retrace.
 
-_slots = {}   # slot (>= 1) -> mpi4py communicator
+_slots = _state.table("runtime.slots", lifetime="process")   # slot (>= 1) -> mpi4py communicator
 _MAX_SLOTS = 64   # kMaxCommSlots in tf_ops/core/matex_core.h
 
 
@@ -351,8 +348,9 @@ def _publish_slot(slot, sub):
 
     from matex import _native
 
-    if _native._core is not None:
-        _native._core.set_communicator_slot(slot, 0 if sub is None else MPI._handleof(sub))
+    core = _native.loaded()
+    if core is not None:
+        core.set_communicator_slot(slot, 0 if sub is None else MPI._handleof(sub))
 
 
 def register_comm(sub):
@@ -403,7 +401,8 @@ def slot_comm(slot):
             raise KeyError("communicator slot %d is not registered" % slot) from None
 
 
-_core_hooks = []   # run once each, with the core, at its first use through _core()
+_core_hooks = _state.table("runtime.core_hooks", lifetime="process", factory=list)
+# run once each, with the core, at its first use through _core()
 
 
 def on_core_ready(hook):
@@ -414,23 +413,37 @@ def on_core_ready(hook):
     """
     from matex import _native
 
-    if _pointed:
-        hook(_native._core)
+    if _now.pointed:
+        hook(_native.loaded())
     else:
         _core_hooks.append(hook)
+
+
+def started() -> bool:
+    """Whether MaTEx holds a communicator (``init`` ran), without starting MPI."""
+    return _now.comm is not None
+
+
+def set_control_class(cls: Callable | None) -> None:
+    """Wrap every control communicator made from now on in ``cls`` (None: plain).
+
+    ``matex.hpo`` sets it while a search runs, so that its trials' control
+    traffic is checked; the communicator in use keeps its class until replaced.
+    """
+    _now.control_class = cls
 
 
 @_run_as_is
 def comm() -> MPI.Intracomm:
     """The mpi4py communicator MaTEx currently uses (it may be replaced after a failure)."""
     init()
-    return _comm
+    return _now.comm
 
 
 def control():
     """The duplicate of ``comm()`` for MaTEx's own Python-level messages."""
     init()
-    return _control
+    return _now.control
 
 
 @_run_as_is
@@ -449,14 +462,14 @@ def size() -> int:
 def local_rank() -> int:
     """This process's rank among the ranks on the same node."""
     init()
-    return _local.Get_rank()
+    return _now.local.Get_rank()
 
 
 @_run_as_is
 def local_size() -> int:
     """Number of ranks on this node."""
     init()
-    return _local.Get_size()
+    return _now.local.Get_size()
 
 
 def cross_figures() -> tuple[int, int, bool]:
@@ -464,4 +477,4 @@ def cross_figures() -> tuple[int, int, bool]:
     index among the ranks of its local rank across nodes, their number, and whether every
     node runs as many ranks. Computed when the communicator was set; a local read."""
     init()
-    return _cross
+    return _now.cross

@@ -31,13 +31,13 @@ import threading
 import time
 from pathlib import Path
 
-from matex import _atomic, _config
+from matex import _atomic, _config, _state
 from matex.flight import _recorder
 
 log = logging.getLogger("matex")
 REQUEST = "stall-request.json"
 
-_started = None
+_now = _state.namespace("stall", "process", started=None)   # the watchdog, once started
 
 
 def _early_sigusr1(signum, frame):
@@ -89,16 +89,15 @@ def _hand_over_signal(core) -> None:
 
 def start(core) -> None:
     """Start the recorder and the watchdog thread for this process (idempotent)."""
-    global _started
-    if _started is not None:
+    if _now.started is not None:
         return
     import atexit
 
     core.set_flight_capacity(_config.flight_entries())
     _hand_over_signal(core)
-    _started = Watchdog(core, Path(_config.flight_dir()), _config.stall_warning_s(),
-                        _config.stall_abort_s())
-    _started.start()
+    _now.started = Watchdog(core, Path(_config.flight_dir()), _config.stall_warning_s(),
+                            _config.stall_abort_s())
+    _now.started.start()
     atexit.register(_recorder.dump_at_exit)
 
 

@@ -26,10 +26,12 @@ import threading
 
 import tensorflow as tf
 
-from matex import _compat
+from matex import _compat, _state
 
 _lock = threading.Lock()
-_ledgers = {}   # tuple of variable names -> tf.Variable int64 [2, V + 1]: sent, dense; steps
+# tuple of variable names -> tf.Variable int64 [2, V + 1]: sent, dense; steps. Emptied by
+# clear_session: stats() counts anew for the next model
+_ledgers = _state.table("stats.ledgers", lifetime="session")
 
 
 def record(names, sent, dense):

@@ -6,13 +6,15 @@ from typing import TYPE_CHECKING
 
 import tensorflow as tf
 
+from matex import _state
 from matex.compression import _spec as _compression
 from matex.compression import _reduce
 
 if TYPE_CHECKING:
     from matex.compression import Compressor
 
-_classes: dict = {}   # (mixin, tape class) -> their subclass
+# (mixin, tape class) -> their subclass
+_classes: dict = _state.table("tape.classes", lifetime="process")
 
 
 def mix_in(tape: tf.GradientTape, mixin: type) -> tf.GradientTape:

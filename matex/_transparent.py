@@ -44,11 +44,13 @@ import os
 import random
 import sys
 
-from matex import _config
+from matex import _config, _state
 
-_seed = None        # the seed in use; None: not decided yet
-_decided = False
-_explicit = []      # explicit distributed layers the script imported ("horovod")
+_now = _state.namespace("transparent", "process",
+                       seed=None,   # the seed in use; None: not decided yet
+                       decided=False)
+# explicit distributed layers the script imported ("horovod")
+_explicit = _state.table("transparent.explicit", "process", factory=list)
 
 
 def explicit_layer_in_use(name: str) -> None:
@@ -133,7 +135,7 @@ launched_size = _config.launched_size
 
 
 def _seed_tensorflow(module):
-    module.random.set_seed(_seed)
+    module.random.set_seed(_now.seed)
 
 
 def seed_script_rngs():
@@ -142,10 +144,9 @@ def seed_script_rngs():
     Collective on MaTEx's communicator the first time (every rank must call
     it); does nothing in a single process. Returns the seed, or None.
     """
-    global _seed, _decided
-    if _decided:
-        return _seed
-    _decided = True
+    if _now.decided:
+        return _now.seed
+    _now.decided = True
     from matex import _runtime
 
     comm = _runtime.control()
@@ -165,13 +166,13 @@ def seed_script_rngs():
         from matex import _faults
 
         _faults.maybe_fail(0, "seed")
-    _seed = _resilience.uniformly(share)
+    _now.seed = _resilience.uniformly(share)
     comm = _runtime.control()
-    random.seed(_seed)
-    np.random.seed(_seed)
+    random.seed(_now.seed)
+    np.random.seed(_now.seed)
     after_import("tensorflow", _seed_tensorflow)
     _drop_tf_config(comm.Get_rank(), comm.Get_size())
-    return _seed
+    return _now.seed
 
 
 def _drop_tf_config(rank, size):
@@ -193,5 +194,4 @@ def _drop_tf_config(rank, size):
 
 def leave_script_rngs_alone():
     """Never seed in this process (a single process: nothing to agree on)."""
-    global _decided
-    _decided = True
+    _now.decided = True

@@ -24,6 +24,8 @@ import threading
 
 import numpy as np
 
+from matex import _state
+
 from ._errors import ReaderError
 from ._table import Table, as_names
 
@@ -150,16 +152,15 @@ class _BadLine(Exception):
 
 
 _native_lock = threading.Lock()
-_native_module = None
-_native_tried = False
+# module: the native parser once built (None: not built, or it cannot be); tried: a build was tried
+_native = _state.namespace("readers.csv", module=None, tried=False)
 
 
 def native():
     """The native parser module, built on first use; None (said once) if it cannot be."""
-    global _native_module, _native_tried
     with _native_lock:
-        if not _native_tried:
-            _native_tried = True
+        if not _native.tried:
+            _native.tried = True
             try:
                 from matex import _build
 
@@ -168,11 +169,11 @@ def native():
                 spec = importlib.util.spec_from_file_location(name, path)
                 module = importlib.util.module_from_spec(spec)
                 spec.loader.exec_module(module)
-                _native_module = module
+                _native.module = module
             except Exception as exc:  # noqa: BLE001 - any failure: parse with pandas
                 print("matex: the native CSV parser is unavailable, CSV files are parsed "
                       "with pandas (slower): %s" % str(exc).strip(), file=sys.stderr, flush=True)
-    return _native_module
+    return _native.module
 
 
 def _delimiter_byte(delimiter):

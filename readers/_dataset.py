@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, Sequence
 import numpy as np
 
 import matex
-from matex import _config, _runtime, timeline
+from matex import _config, _runtime, _state, timeline
 
 from . import _gather, _partition
 from ._errors import ReaderError, agreed
@@ -31,7 +31,8 @@ _GROUP_BYTES = 1 << 20      # batches go to TensorFlow in groups of about this s
 _MOST_GROUPED = 64
 _SLACK = 8                  # 1/8 of the budget is left for what the allocator holds on to
 _DEFAULT_PER_RANK = 32      # batch of each rank when no batch size is given
-_noted = False              # the one-time note on batch_size's meaning was printed
+# noted: the one-time note on batch_size's meaning was printed
+_now = _state.namespace("readers.dataset", noted=False)
 
 
 def budget_bytes(value=None):
@@ -534,7 +535,6 @@ def _per_rank_batch(batch_size, per_rank_batch_size):
     Collective: the ranks also check that they agree on it (ranks reading
     batches of different sizes would run different numbers of steps).
     """
-    global _noted
     size, error, per_rank = matex.size(), None, None
     try:
         per_rank = _check_batch(batch_size, per_rank_batch_size, size)
@@ -547,8 +547,8 @@ def _per_rank_batch(batch_size, per_rank_batch_size):
     if len({p for _, p in everyone}) > 1:
         raise ReaderError("ranks disagree on the per-rank batch: %s (give every rank the same "
                           "batch_size)" % [p for _, p in everyone])
-    if batch_size is not None and size > 1 and not _noted and matex.rank() == 0:
-        _noted = True
+    if batch_size is not None and size > 1 and not _now.noted and matex.rank() == 0:
+        _now.noted = True
         print("matex.readers: DataSet(batch_size=%d) is the GLOBAL batch: %d samples per rank "
               "on %d ranks. In the original MaTEx API batch_size was per rank; for that "
               "meaning write per_rank_batch_size=%d." % (batch_size, per_rank, size, batch_size),

@@ -228,7 +228,7 @@ BLOCKED = textwrap.dedent("""
             out[what] = str(exc)
     import keras
     from matex import _compat
-    _compat._warned = False
+    _compat._now.warned = False
     real, keras.__version__ = keras.__version__, "3.16.0"
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")

@@ -44,12 +44,13 @@ import threading
 
 import tensorflow as tf
 
-from matex import _collectives, _compat, _runtime
+from matex import _collectives, _compat, _runtime, _state
 
 _log = logging.getLogger("matex")
 _lock = threading.Lock()
-_installed = False
-_rows = threading.local()   # .stack: this rank's rows of the row-weighted steps being traced
+_now = _state.namespace("keras.batchnorm", "process", installed=False)
+# .stack: this rank's rows of the row-weighted steps being traced
+_rows = _state.local("keras.batchnorm.rows")
 
 
 # ---- synchronised moments ----------------------------------------------------
@@ -215,9 +216,8 @@ def install() -> None:
 
     Also makes every ``BatchNormalization`` ignore an empty batch (see the module doc).
     """
-    global _installed
     with _lock:
-        if _installed:
+        if _now.installed:
             return
         nn = _compat.keras_tf_nn()
         name = _compat.MOMENTS_SYNC_NAME
@@ -235,4 +235,4 @@ def install() -> None:
         from matex._keras.calls import patch
 
         patch(keras.layers.BatchNormalization, "call", _keep_state_on_empty_batch)
-        _installed = True
+        _now.installed = True

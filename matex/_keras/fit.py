@@ -12,7 +12,8 @@ import logging
 import keras
 import tensorflow as tf
 
-from matex import _compat, _config, _faults, _recovery, _resilience, _runtime, _batch_slicing
+from matex import (_compat, _config, _faults, _recovery, _resilience, _runtime, _batch_slicing,
+                   _state)
 from matex._keras import checkpoint, inputs, metrics
 from matex._keras.calls import bind, call
 from matex._keras.metrics import AverageMovingStatistics
@@ -60,8 +61,8 @@ def _check_equal_steps(error, step_begin):
     """
     if not is_mismatch(error):
         return error
-    ended = metrics.summing_after_data
-    metrics.summing_after_data = False
+    ended = metrics._now.summing_after_data
+    metrics._now.summing_after_data = False
     everyone = _runtime.control().allgather((ended, step_begin.steps))
     if len({e for e, _ in everyone}) == 1:
         return error   # a mismatch of another kind
@@ -84,7 +85,7 @@ def _merge_histories(histories):
     return merged
 
 
-_announced = False
+_now = _state.namespace("keras.fit", "process", announced=False)
 
 
 def _observers(global_batch):
@@ -105,10 +106,9 @@ def _observers(global_batch):
 
 
 def _announce(size, ft):
-    global _announced
-    if not _announced and _runtime.rank() == 0 and (ft or size > 1):
+    if not _now.announced and _runtime.rank() == 0 and (ft or size > 1):
         print(_resilience.describe_mode(), flush=True)
-        _announced = True
+        _now.announced = True
 
 
 def _iterations(model):

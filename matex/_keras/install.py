@@ -2,13 +2,13 @@
 
 import threading
 
-from matex import _compat, _runtime
+from matex import _compat, _runtime, _state
 from matex._keras import (batchnorm, checkpoint, fit, inference, metrics, optimizers, output,
                           randomness, strategies)
 from matex._keras import calls
 
 _lock = threading.Lock()
-_installed = False
+_now = _state.namespace("keras.install", "process", installed=False)
 
 
 def patch(owner, name, wrapper):
@@ -18,9 +18,8 @@ def patch(owner, name, wrapper):
 
 def install():
     """Patch Keras so that every script using it trains distributed (idempotent)."""
-    global _installed
     with _lock:
-        if _installed:
+        if _now.installed:
             return
         import keras
 
@@ -64,4 +63,4 @@ def install():
         from matex.legacy._keras2 import refuse_transparent   # tf-keras: one clear error
 
         _transparent.after_import("tf_keras", refuse_transparent)
-        _installed = True
+        _now.installed = True

@@ -11,22 +11,25 @@ every step costs more (``benchmarks/small_models.py``).
 """
 
 import functools
-import threading
 from typing import Optional
 
 import keras
 import numpy as np
 import tensorflow as tf
 
-from matex import _collectives, _compat, _config, _fusion, _optimizer, _runtime
+from matex import _collectives, _compat, _config, _fusion, _optimizer, _runtime, _state
 from matex._keras.calls import bind, call
 
 
-# True while an eager (end-of-loop) reduction of metric states is under way: a
-# rank found there by a collective mismatch ran out of batches before the others
-summing_after_data = False
+_now = _state.namespace(
+    "keras.metrics", "process",
+    # True while an eager (end-of-loop) reduction of metric states is under way: a
+    # rank found there by a collective mismatch ran out of batches before the others
+    summing_after_data=False,
+    reading_batch=False,   # read_global under way: not the end of a rank's data
+)
 
-_lazy = threading.local()   # .active: fit/evaluate read the metrics when needed
+_lazy = _state.local("keras.metrics.lazy")   # .active: fit/evaluate read the metrics when needed
 _LAZY_MARK = "_matex_lazy_logs"   # on a model whose steps return local metric values
 
 
@@ -57,17 +60,13 @@ def _pythonify(value):
     return array.item() if array.ndim == 0 else array
 
 
-_reading_batch = False   # read_global under way: not the end of a rank's data
-
-
 def read_global(model) -> dict:
     """The model's metrics summed over ranks (a collective), for per-batch logs."""
-    global _reading_batch
-    _reading_batch = True
+    _now.reading_batch = True
     try:
         return {k: _pythonify(v) for k, v in model.get_metrics_result().items()}
     finally:
-        _reading_batch = False
+        _now.reading_batch = False
 
 
 def get_metrics_result(original):
@@ -92,11 +91,10 @@ def get_metrics_result(original):
             _optimizer.defer_to_outer_step()
             return original(self)
         local = [tf.identity(tf.convert_to_tensor(v)) for v in variables]
-        global summing_after_data
         # fit/evaluate's end, after the last batch (not a batch's logs being read)
-        summing_after_data = tf.executing_eagerly() and not _reading_batch
+        _now.summing_after_data = tf.executing_eagerly() and not _now.reading_batch
         total = _fusion.allreduce_gradients(local, "sum", threshold=1 << 30)
-        summing_after_data = False
+        _now.summing_after_data = False
         for v, t in zip(variables, total):
             v.assign(t)
         value = tf.nest.map_structure(tf.identity, original(self))

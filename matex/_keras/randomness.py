@@ -36,10 +36,10 @@ import threading
 
 import tensorflow as tf
 
-from matex import _compat
+from matex import _compat, _state
 
 _lock = threading.Lock()
-_installed = False
+_now = _state.namespace("keras.randomness", "process", installed=False)
 
 
 # ---- the patch ---------------------------------------------------------------
@@ -94,9 +94,8 @@ def _get_seed(original, rank):
 def install() -> None:
     """Give layers' in-step randomness (Keras generators, TensorFlow's stateful random ops)
     a stream per rank on ranks > 0 (idempotent)."""
-    global _installed
     with _lock:
-        if _installed:
+        if _now.installed:
             return
         import keras
 
@@ -107,4 +106,4 @@ def install() -> None:
         seeds = _compat.tf_random_seed_module()
         if size > 1 and rank > 0 and getattr(seeds.get_seed, "_matex_original", None) is None:
             seeds.get_seed = _get_seed(seeds.get_seed, rank)
-        _installed = True
+        _now.installed = True

@@ -21,6 +21,7 @@ from __future__ import annotations
 from typing import Any, Callable
 
 from matex import _runtime
+from matex._rank_groups import cut
 
 
 def check_group_size(k: Any, size: int, argument: str = "ranks per group",
@@ -130,7 +131,7 @@ class Groups:
         """Install this rank's group communicator as MaTEx's (collective over the world)."""
         world = _runtime.comm()
         self._saved = world.Dup()
-        group = world.Split(self.index, world.Get_rank())
+        group = cut(world, self.index)
         self._entering()
         _runtime._set_comm(group)
 

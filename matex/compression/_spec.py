@@ -6,7 +6,7 @@ subclasses: this module sits above them all.
 
 from __future__ import annotations
 
-from matex import _config
+from matex import _config, _state
 from matex.compression import _cast, _powersgd, _randomk, _topk
 from matex.compression._base import Compressor
 
@@ -24,7 +24,7 @@ def from_spec(spec: Compressor | str | None) -> Compressor | None:
 
 # (kind, value) -> compressor: one per text, so its residuals outlive a tape (a tape made
 # each step); its per-variable state is dropped with the variables (_base.PerVariable)
-_built = {}
+_built = _state.table("compression.spec.built", lifetime="session")
 
 
 def build(kind, value):

@@ -15,7 +15,7 @@ import time
 import traceback
 from pathlib import Path
 
-from matex import _atomic, _config
+from matex import _atomic, _config, _state
 
 FORMAT = "matex-flight/2"   # /2: entries name their communicator (comm, comm_seq)
 KINDS = {1: "allreduce", 2: "fused allreduce", 3: "broadcast", 4: "allgather",
@@ -25,7 +25,8 @@ KINDS = {1: "allreduce", 2: "fused allreduce", 3: "broadcast", 4: "allgather",
 REDUCE_OPS = ("sum", "average", "min", "max", "product")
 STATES = ("pending", "ok", "mismatch", "MPI error", "invalid")
 
-_last_dump = 0.0   # time.time() of this process's last dump
+_now = _state.namespace("flight.recorder", "process",
+                       last_dump=0.0)   # time.time() of this process's last dump
 
 
 def describe(entry: dict) -> str:
@@ -101,12 +102,11 @@ def dump(reason: str = "requested", directory: str | os.PathLike | None = None) 
     communicator's own count and waiting collective, and every thread's
     Python stack.
     """
-    global _last_dump
     from matex import _native
 
     directory = Path(directory or _config.flight_dir())
     directory.mkdir(parents=True, exist_ok=True)
-    core = _native._core
+    core = _native.loaded()
     rank = _config.launched_rank()
     record = {
         "format": FORMAT,
@@ -127,7 +127,7 @@ def dump(reason: str = "requested", directory: str | os.PathLike | None = None) 
     }
     path = directory / ("rank%d.json" % rank)
     _atomic.write(path, json.dumps(record, indent=1))
-    _last_dump = record["time"]
+    _now.last_dump = record["time"]
     return path
 
 
@@ -135,10 +135,10 @@ def failed_since_last_dump() -> bool:
     """Whether a recorded collective failed after this process's last dump."""
     from matex import _native
 
-    core = _native._core
+    core = _native.loaded()
     if core is None:
         return False
-    return any(e["state"] in (2, 3) and e["end"] > _last_dump for e in core.flight_entries())
+    return any(e["state"] in (2, 3) and e["end"] > _now.last_dump for e in core.flight_entries())
 
 
 def dump_at_exit():

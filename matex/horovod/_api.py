@@ -14,7 +14,7 @@ from typing import Any
 
 import tensorflow as tf
 
-from matex import _collectives, _grouped, _objects, _process_sets, _runtime, _transparent
+from matex import _collectives, _grouped, _objects, _process_sets, _runtime, _state, _transparent
 from matex.errors import is_mismatch
 from matex._process_sets import ProcessSet, global_process_set
 from matex.horovod import _join
@@ -88,9 +88,8 @@ def init(comm: Any = None, process_sets: Any = None) -> None:
     """
     if comm is not None and not hasattr(comm, "Get_rank"):
         raise ValueError("hvd.init(comm=...) takes an mpi4py communicator here, not %r" % (comm,))
-    global _shut_down
     _runtime.init(comm)
-    _shut_down = False
+    _now.shut_down = False
     _transparent.explicit_layer_in_use("horovod")   # the transparent patches stand down
     global_process_set.ranks = list(range(_runtime.size()))
     if comm is not None:
@@ -115,26 +114,26 @@ def remove_process_set(process_set: ProcessSet) -> bool:
     return _process_sets.remove(process_set)
 
 
-_shut_down = False   # hvd.shutdown() ran and no hvd.init() since
+_now = _state.namespace("horovod.api",
+                        shut_down=False)   # hvd.shutdown() ran and no hvd.init() since
 
 
 def shutdown() -> None:
     """Horovod's ``hvd.shutdown``: until ``hvd.init()`` runs again, ``is_initialized()`` is
     False and ``rank``/``size``/``local_rank``/``local_size`` raise Horovod's ValueError.
     MPI itself ends with the process (MaTEx's collectives keep working)."""
-    global _shut_down
-    _shut_down = True
+    _now.shut_down = True
 
 
 def is_initialized() -> bool:
     """Whether ``init`` (explicit or implicit) has run, and no ``shutdown`` since."""
-    return _runtime._comm is not None and not _shut_down
+    return _runtime.started() and not _now.shut_down
 
 
 def _after_init(function: Callable[[], int]) -> Callable[[], int]:
     @functools.wraps(function)
     def read() -> int:
-        if _shut_down:
+        if _now.shut_down:
             raise ValueError("Horovod has not been initialized; use hvd.init().")
         return function()
 

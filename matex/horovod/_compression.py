@@ -6,7 +6,7 @@ from typing import Any
 
 import tensorflow as tf
 
-from matex import _fusion
+from matex import _fusion, _state
 from matex.compression._base import Compressor as _MatexCompressor
 
 
@@ -77,7 +77,9 @@ def as_matex_compressor(compression: type[Compressor] | Compressor) -> Any:
     return _adapters[compression]
 
 
-_adapters: dict = {}
+# compressor -> its adapter; a session cache: an adapter holds only its compressor, a
+# reduction keeps the one it was given, and a missing one is made again on demand
+_adapters: dict = _state.table("horovod.compression.adapters")
 
 
 class _UsersCompressor(_MatexCompressor):

@@ -45,15 +45,18 @@ from typing import Any, Callable, Optional
 
 import tensorflow as tf
 
-from matex import _collectives, _config, _runtime
+from matex import _collectives, _config, _runtime, _state
 from matex.errors import is_mismatch
 
 STATUS = 12          # int64 values of an announcement
 MAX_DIMS = STATUS - 6
 _ALLREDUCE, _GRADIENTS = 1, 2
 
-_local = threading.local()          # .serving: this thread is inside join()
-_plans: dict[int, tuple] = {}       # key -> (reduction, grads template, variables)
+_local = _state.local("horovod.join.local")   # .serving: this thread is inside join()
+# key -> (reduction, grads template, variables). Process state, not a session cache:
+# a traced step records its plan only when traced, and join() fails on a missing plan
+# instead of rebuilding it, so emptying this would break a traced step still in use.
+_plans: dict[int, tuple] = _state.table("horovod.join.plans", lifetime="process")
 _plans_lock = threading.Lock()
 
 
@@ -109,23 +112,23 @@ def _main_script() -> Optional[str]:
         return None
 
 
-_decided: Optional[bool] = None   # MATEX_HOROVOD_JOIN=auto's answer, once per process
+_now = _state.namespace("horovod.join",
+                        decided=None)   # MATEX_HOROVOD_JOIN=auto's answer, once per process
 
 
 def announcing() -> bool:
     """Whether this process's Horovod-API reductions are announced (``MATEX_HOROVOD_JOIN``)."""
-    global _decided
     setting = _config.horovod_join()
     if setting != "auto":
         return setting == "1"
-    if _decided is None:
+    if _now.decided is None:
         source = _main_script()
         try:
             may = script_may_join(source) if source is not None else None
         except (SyntaxError, ValueError):
             may = None
-        _decided = may is not False   # off only for a Horovod script that never joins
-    return _decided
+        _now.decided = may is not False   # off only for a Horovod script that never joins
+    return _now.decided
 
 
 def enabled() -> bool:

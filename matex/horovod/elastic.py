@@ -47,7 +47,7 @@ from typing import Any, Callable, TypeVar
 
 import numpy as np
 
-from matex import _atomic, _config, _faults, _recovery, _runtime
+from matex import _atomic, _config, _faults, _recovery, _runtime, _state
 from matex._everywhere import on_every_rank
 
 WRITE_EVERY_VAR = _config.ELASTIC_WRITE_EVERY_VAR
@@ -260,7 +260,8 @@ def _remove(state: State, path: str) -> None:
         os.remove(path)
 
 
-_calls: dict = {}   # function's name -> how often run(func) was entered (fault injection)
+# function's name -> how often run(func) was entered (fault injection)
+_calls: dict = _state.table("horovod.elastic.calls", lifetime="process")
 
 
 def run(func: F) -> F:

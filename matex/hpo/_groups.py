@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from matex import _runtime
+from matex import _runtime, _state
 from matex._workgroups.groups import Groups, as_launched, check_group_size
 
 
@@ -35,16 +35,17 @@ class TrialGroups(Groups):
         super().__init__(k, world)   # world None: the survivors', if a rank is lost meanwhile
 
     def _entering(self) -> None:
-        _runtime.control_class = checked_class()
+        _runtime.set_control_class(checked_class())
         _checking.append(None)
         _runtime.on_core_ready(_force_check)
 
     def _leaving(self) -> None:
-        _runtime.control_class = None
+        _runtime.set_control_class(None)
         _restore_check()
 
 
-_checking = []   # while a search runs: the C++ agreement check's setting before it
+# while a search runs: the C++ agreement check's setting before it
+_checking = _state.table("hpo.groups.checking", lifetime="process", factory=list)
 
 
 def _force_check(core):
@@ -59,8 +60,9 @@ def _restore_check():
 
     if _checking:
         before = _checking.pop()
-        if before is not None and _native._core is not None:
-            _native._core.set_agreement_check(before)
+        core = _native.loaded()
+        if before is not None and core is not None:
+            core.set_agreement_check(before)
 
 
 # ---- leaving a trial without leaving a peer stuck in a collective ----------------------
@@ -152,7 +154,7 @@ _COLLECTIVES = (
     "scan", "exscan", "Barrier", "Bcast", "Gather", "Gatherv", "Scatter", "Scatterv",
     "Allgather", "Allgatherv", "Alltoall", "Alltoallv", "Alltoallw", "Reduce", "Allreduce",
     "Reduce_scatter", "Reduce_scatter_block", "Scan", "Exscan")
-_checked = []
+_checked = _state.table("hpo.groups.checked", lifetime="process", factory=list)   # the class
 
 
 def checked_class():

@@ -23,7 +23,7 @@ import logging
 import os
 import threading
 
-from matex import _atomic
+from matex import _atomic, _state
 
 from matex._workgroups.machine import LOST, GroupWork
 
@@ -36,7 +36,8 @@ def trial_from_state(state):
     return trial_module.Trial.from_state(state)
 
 
-_batch = threading.local()   # the writes of the request being answered: path -> bytes
+# the writes of the request being answered: path -> bytes
+_batch = _state.local("hpo.service.batch")
 
 
 def write_atomically(path: str, data: bytes):

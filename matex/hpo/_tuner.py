@@ -47,7 +47,7 @@ import tempfile
 import threading
 import time
 
-from matex import _compat, _config, _runtime
+from matex import _compat, _config, _runtime, _state
 from matex._everywhere import agree_error, on_every_rank, on_root
 from matex._workgroups.service import Client, Server
 from matex.hpo import _service
@@ -56,8 +56,8 @@ from matex.hpo._groups import TrialGroups, finish_trial
 FINGERPRINT = "matex_search.json"
 DRAIN = "matex_drain.json"   # the ranks told that the search is over (for a takeover)
 _lock = threading.Lock()
-_installed = False
-_forced = threading.local()   # ranks per trial that minimize() asks for
+_now = _state.namespace("hpo.tuner", installed=False)
+_forced = _state.local("hpo.tuner.forced")   # ranks per trial that minimize() asks for
 
 
 @contextlib.contextmanager
@@ -84,9 +84,8 @@ def _wanted_k():
 
 def install():
     """Wrap ``BaseTuner`` so tuners run distributed (idempotent; imports keras_tuner)."""
-    global _installed
     with _lock:
-        if _installed:
+        if _now.installed:
             return
         from matex._keras.calls import patch
 
@@ -107,7 +106,7 @@ def install():
         base.project_dir = property(project_dir)
         utils = _compat.kt_utils()
         patch(utils, "save_json", _atomic_save_json)
-        _installed = True
+        _now.installed = True
 
 
 def _atomic_save_json(original):

@@ -26,7 +26,7 @@ from typing import Any
 
 import tensorflow as tf
 
-from matex import _compat
+from matex import _compat, _state
 
 LEGACY_KERAS_VAR = "TF_USE_LEGACY_KERAS"
 
@@ -150,9 +150,6 @@ class _DistributedKeras2:
         if reduction.counter is None:   # nothing accumulated: Horovod applies nothing either
             return count()
         return _cond(reduction.due(), apply, count)
-
-
-_classes: dict = {}
 
 
 def _distributed_class(cls: type, settings: dict) -> type:
@@ -280,7 +277,7 @@ TRANSPARENT_MESSAGE = (
     "or use Horovod's Keras API under `matexrun --horovod` (hvd.DistributedOptimizer, "
     "hvd.callbacks.BroadcastGlobalVariablesCallback(0), each rank reading its shard).")
 
-_refusing = [False]
+_now = _state.namespace("legacy.keras2", refusing=False)   # tf-keras's training refused
 
 
 def refuse_transparent(module: Any = None) -> None:
@@ -294,13 +291,13 @@ def refuse_transparent(module: Any = None) -> None:
     """
     from matex import _runtime
 
-    if _refusing[0]:
+    if _now.refusing:
         return
     _runtime.init()
     size = _runtime.size()
     if size < 2:
         return
-    _refusing[0] = True
+    _now.refusing = True
     message = TRANSPARENT_MESSAGE % (size, size)
 
     def refuse(original):

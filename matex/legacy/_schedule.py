@@ -38,10 +38,10 @@ from __future__ import annotations
 import hashlib
 import heapq
 import threading
-import weakref
 
 import tensorflow as tf
 
+from matex import _state
 from matex.legacy import _session
 
 HOOK_NAME = "matex.schedule"
@@ -53,10 +53,11 @@ GATED = frozenset({"MatexAllreduce", "MatexGroupedAllreduce", "MatexBroadcast",
 _CALLS = frozenset({"If", "StatelessIf", "While", "StatelessWhile", "Case", "StatelessCase",
                     "PartitionedCall", "StatefulPartitionedCall"})
 
-_installed = False
+_now = _state.namespace("legacy.schedule", installed=False)
 _install_lock = threading.Lock()
 _run_lock = threading.Lock()   # one scheduled run at a time in this process
-_plans = weakref.WeakKeyDictionary()   # graph -> {(fetch key, feed key): _Plan}
+# graph -> {(fetch key, feed key): _Plan}; a missing plan is made again from the graph
+_plans = _state.weak_table("legacy.schedule.plans")
 _MAX_PLANS = 512   # per graph: a loop that builds new fetches every step must not grow it
 stats = {"runs": 0, "scheduled": 0, "plans": 0}   # for tests and the benchmark
 
@@ -77,14 +78,13 @@ class _Plan:
 
 def install() -> None:
     """Put the scheduler around ``Session.run`` (once per process)."""
-    global _installed
-    if _installed:
+    if _now.installed:
         return
     with _install_lock:
-        if not _installed:
+        if not _now.installed:
             # innermost: it plans the fetches and feeds TensorFlow will actually get
             _session.add_run_hook(HOOK_NAME, _hook, innermost=True)
-            _installed = True
+            _now.installed = True
 
 
 def _flat(structure):

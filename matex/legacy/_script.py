@@ -29,22 +29,24 @@ to change (feeds of different row counts in one training run).
 
 from __future__ import annotations
 
-import threading
-import weakref
 from typing import Any
 
 import numpy as np
 import tensorflow as tf
 
+from matex import _state
 from matex.legacy import _optimizer_v1, _schedule, _session
 
 HOOK = "matex.legacy.script"
 _WEIGHT = "matex_row_weight"
 
-_installed = False
-_busy = threading.local()   # inside this module's own runs
-_weights: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()   # graph -> weight input
-_plans: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()     # graph -> {key: plan}
+_now = _state.namespace("legacy.script", installed=False)
+_busy = _state.local("legacy.script.busy")   # inside this module's own runs
+# graph -> weight input. Process state: the graph's reductions hold this placeholder, and a
+# run feeds this rank's share to it only when it is here (made again, it would be another)
+_weights = _state.weak_table("legacy.script.weights", lifetime="process")
+# graph -> {key: plan}; a missing plan is made again from the graph
+_plans = _state.weak_table("legacy.script.plans")
 
 
 class ScriptShapeError(RuntimeError):
@@ -255,8 +257,7 @@ def _hook(run, session, fetches, feed_dict, options, run_metadata):
 
 def install() -> None:
     """Distribute unmodified TF1 Session scripts (idempotent; several ranks only)."""
-    global _installed
-    if _installed:
+    if _now.installed:
         return
     from matex import _runtime
 
@@ -267,7 +268,7 @@ def install() -> None:
     base.compute_gradients = _compute_gradients(base.compute_gradients)
     base.apply_gradients = _apply_gradients(base.apply_gradients)
     _session.add_run_hook(HOOK, _hook)
-    _installed = True
+    _now.installed = True
 
 
 # ---- --ft (ULFM) --------------------------------------------------------------

@@ -27,12 +27,17 @@ import functools
 import threading
 from typing import Any, Callable
 
+from matex import _state
+
 Hook = Callable[..., Any]
 
-_hooks: dict[str, Hook] = {}   # name -> hook, in the order added
-_innermost: dict[str, Hook] = {}   # the same, called after every hook of _hooks
+# name -> hook, in the order added
+_hooks: dict[str, Hook] = _state.table("legacy.session.hooks", lifetime="process")
+# the same, called after every hook of _hooks
+_innermost: dict[str, Hook] = _state.table("legacy.session.innermost", lifetime="process")
 _lock = threading.Lock()
-_original: Callable[..., Any] | None = None   # TensorFlow's BaseSession.run, once wrapped
+# original: TensorFlow's BaseSession.run, once wrapped
+_now = _state.namespace("legacy.session", original=None)
 
 
 def _run_through_hooks(session, fetches, feed_dict=None, options=None, run_metadata=None):
@@ -40,7 +45,7 @@ def _run_through_hooks(session, fetches, feed_dict=None, options=None, run_metad
 
     def call(index, fetches, feed_dict, options, run_metadata):
         if index == len(hooks):
-            return _original(session, fetches, feed_dict, options, run_metadata)
+            return _now.original(session, fetches, feed_dict, options, run_metadata)
         return hooks[index](functools.partial(call, index + 1), session, fetches, feed_dict,
                             options, run_metadata)
 
@@ -48,18 +53,17 @@ def _run_through_hooks(session, fetches, feed_dict=None, options=None, run_metad
 
 
 def _install() -> None:
-    global _original
-    if _original is not None:
+    if _now.original is not None:
         return
     from matex import _compat
 
     cls = _compat.tf1_base_session_class()
-    _original = cls.run
+    original = _now.original = cls.run
 
-    @functools.wraps(_original)
+    @functools.wraps(original)
     def run(self, fetches, feed_dict=None, options=None, run_metadata=None):
         if not _hooks and not _innermost:
-            return _original(self, fetches, feed_dict, options, run_metadata)
+            return original(self, fetches, feed_dict, options, run_metadata)
         return _run_through_hooks(self, fetches, feed_dict, options, run_metadata)
 
     run._matex_wrapped = True   # type: ignore[attr-defined]

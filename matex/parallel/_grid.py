@@ -25,9 +25,10 @@ from typing import Optional
 
 from mpi4py import MPI
 
-from matex import _resilience, _runtime
+from matex import _resilience, _runtime, _state
+from matex._rank_groups import RankGroup, cut
 
-_active = None
+_now = _state.namespace("parallel.grid", active=None)   # the open grid
 
 
 class Grid:
@@ -50,14 +51,15 @@ class Grid:
         d, p, t = self.data_rank, self.pipeline_rank, self.tensor_rank
         # A duplicate survives the replacement of the communicator it copies
         # (``_set_comm`` frees the one MaTEx owned).
-        self.world_comm = world.Dup()
-        self.data_comm = world.Split(p * tensor + t, d)
-        self.pipeline_comm = world.Split(d * tensor + t, p)
-        self.tensor_comm = world.Split(d * pipeline + p, t)
+        self._world = RankGroup.adopt(world.Dup())
+        self.data_comm = cut(world, p * tensor + t, d)
+        self._pipeline = RankGroup(world, d * tensor + t, p)
+        self._tensor = RankGroup(world, d * pipeline + p, t)
+        self.world_comm, self.pipeline_comm, self.tensor_comm = (
+            g.comm for g in (self._world, self._pipeline, self._tensor))
         self.data_slot = 0
-        self.pipeline_slot = _runtime.register_comm(self.pipeline_comm)
-        self.tensor_slot = _runtime.register_comm(self.tensor_comm)
-        self.world_slot = _runtime.register_comm(self.world_comm)
+        self.pipeline_slot, self.tensor_slot, self.world_slot = (
+            g.slot for g in (self._pipeline, self._tensor, self._world))
         _runtime._set_comm(self.data_comm)   # MaTEx now owns (and will free) it
         self._closed = False
         if pipeline * tensor > 1:   # a lost rank's weights exist nowhere else
@@ -93,22 +95,16 @@ class Grid:
 
         Collective over the grid's ranks. Idempotent.
         """
-        global _active
         if self._closed:
             return
         self._closed = True
         _resilience.remove_recovery_veto(self._refuse_recovery)
-        for slot in (self.pipeline_slot, self.tensor_slot, self.world_slot):
-            _runtime.release_comm(slot)
-        _runtime._set_comm(self.world_comm)   # frees the data communicator
-        for c in (self.pipeline_comm, self.tensor_comm):
-            if c != MPI.COMM_NULL:
-                try:
-                    c.Free()
-                except MPI.Exception:
-                    pass   # left unusable by a failure: nothing to release
-        if _active is self:
-            _active = None
+        for group in (self._pipeline, self._tensor):
+            group.release()
+        # the world communicator is in use again (the runtime frees it when replaced)
+        _runtime._set_comm(self._world.detach())   # frees the data communicator
+        if _now.active is self:
+            _now.active = None
 
     def _refuse_recovery(self):
         """MaTEx's recovery (shrink the data communicator, go on) cannot rebuild a
@@ -163,7 +159,6 @@ def grid(data: Optional[int] = None, pipeline: int = 1, tensor: int = 1) -> Grid
     every rank when the sizes are not positive integers or their product is
     not the number of ranks, RuntimeError when a grid is already open.
     """
-    global _active
     world = _runtime.comm()
     size = world.Get_size()
     for name, v in (("pipeline", pipeline), ("tensor", tensor)) + (
@@ -181,12 +176,12 @@ def grid(data: Optional[int] = None, pipeline: int = 1, tensor: int = 1) -> Grid
             "grid: data x pipeline x tensor = %d x %d x %d = %d, but the communicator "
             "has %d ranks; the product must equal the number of ranks"
             % (data, pipeline, tensor, data * pipeline * tensor, size))
-    if _active is not None:
-        raise RuntimeError("grid: a grid is already open (%r); close() it first" % _active)
-    _active = Grid(world, data, pipeline, tensor)
-    return _active
+    if _now.active is not None:
+        raise RuntimeError("grid: a grid is already open (%r); close() it first" % _now.active)
+    _now.active = Grid(world, data, pipeline, tensor)
+    return _now.active
 
 
 def current() -> Optional[Grid]:
     """The open grid, or None."""
-    return _active
+    return _now.active

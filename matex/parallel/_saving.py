@@ -19,6 +19,8 @@ import importlib.util
 import logging
 import sys
 
+from matex import _state
+
 _log = logging.getLogger("matex")
 
 # the modules whose import registers MaTEx's custom Keras layers
@@ -73,22 +75,20 @@ class _AfterKeras(importlib.abc.MetaPathFinder):
         return spec
 
 
-_hook = None
+_now = _state.namespace("parallel.saving", hook=None)   # the _AfterKeras finder in sys.meta_path
 
 
 def _uninstall() -> None:
-    global _hook
-    if _hook is not None and _hook in sys.meta_path:
-        sys.meta_path.remove(_hook)
-    _hook = None
+    if _now.hook is not None and _now.hook in sys.meta_path:
+        sys.meta_path.remove(_now.hook)
+    _now.hook = None
 
 
 def install() -> None:
     """Register MaTEx's layers now if Keras is loaded, else once it is (idempotent)."""
-    global _hook
     if "keras" in sys.modules:
         _register_after_keras()
         return
-    if _hook is None:
-        _hook = _AfterKeras()
-        sys.meta_path.insert(0, _hook)
+    if _now.hook is None:
+        _now.hook = _AfterKeras()
+        sys.meta_path.insert(0, _now.hook)

@@ -38,6 +38,8 @@ first stuck state; tests run it for P up to 8 and M up to 24 on both
 schedules (and show that 1F1B without fusion is stuck).
 """
 
+from matex import _state
+
 SCHEDULES = ("gpipe", "1f1b")
 
 
@@ -94,7 +96,7 @@ def _candidates(schedule, stages, stage, micro, train=True):
     return out
 
 
-_plans = {}
+_plans = _state.table("parallel.schedule.plans", lifetime="session")   # rebuilt on demand
 
 
 def steps(schedule, stages, stage, micro, train=True):

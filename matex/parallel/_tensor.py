@@ -36,7 +36,7 @@ from typing import TYPE_CHECKING, Any, Callable
 import keras
 import tensorflow as tf
 
-from matex import _compat
+from matex import _compat, _state
 from matex._everywhere import RemoteError, on_every_rank
 from matex.parallel._streamgather import stream_gather
 
@@ -121,7 +121,7 @@ def _split(n, size, what, layer):
 
 # (distribution, dtype) -> (outputs per group, Philox counter steps per group), found once by
 # drawing a short sequence whole and again from a shifted counter; None: no such pair
-_PHILOX_STEPS: dict = {}
+_PHILOX_STEPS: dict = _state.table("parallel.tensor.philox_steps", lifetime="process")
 _STATELESS = {"uniform": "StatelessRandomUniformV2", "normal": "StatelessRandomNormalV2",
               "truncated": "StatelessTruncatedNormalV2"}
 _BLOCK_ELEMENTS = 1 << 20     # the most elements drawn at once (4 MiB of float32)

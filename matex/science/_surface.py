@@ -40,6 +40,7 @@ import tensorflow as tf
 
 from matex import _runtime
 from matex._everywhere import on_every_rank
+from matex._rank_groups import RankGroup
 from matex._workgroups import Client, Groups, Server, WorkQueue
 from matex.science import _data, _directions, _objective
 from matex.science._trajectory import load_trajectory
@@ -335,10 +336,10 @@ def loss_surface(model: keras.Model, data: Any,
         error_type=ValueError, what="matex.science: loss_surface: %s" % (path,))
 
     groups = Groups(k, world)
-    group = world.Split(groups.index, groups.world_rank)
-    slot = _runtime.register_comm(group)
+    ranks = RankGroup(world, groups.index, groups.world_rank)
+    group = ranks.comm
     group_ctl = group.Dup()
-    objective = _objective.Objective(model, share, comm=slot)
+    objective = _objective.Objective(model, share, comm=ranks.slot)
     queue = server = None
     try:
         if world.Get_rank() == 0:
@@ -396,8 +397,8 @@ def loss_surface(model: keras.Model, data: Any,
         if store is not None:
             store.close()
         objective.set(weights)
-        _runtime.release_comm(slot)
-        for c in (group_ctl, group, groups.service):
+        ranks.release()
+        for c in (group_ctl, groups.service):
             c.Free()
     return surface
 

@@ -23,15 +23,15 @@ import os
 import threading
 import time
 
-from matex import _config
+from matex import _config, _state
 from matex.timeline._writer import TimelineError, Writer, check_writable, filename
 
 __all__ = ["start", "stop", "active", "step", "span", "TimelineError", "check_writable", "filename"]
 
-_writer = None
+# writer: the running Writer or None; atexit: stop() is registered at exit; next_step: the
+# number step() gives when none is passed; autostarted: autostart() has run
+_now = _state.namespace("timeline", writer=None, atexit=False, next_step=0, autostarted=False)
 _lock = threading.Lock()
-_autostarted = False
-_atexit = False
 
 
 def parse_steps(steps: str | int | tuple[int, int] | None) -> tuple[int, int] | None:
@@ -55,7 +55,6 @@ def start(directory: str | os.PathLike,
     every rank, when a rank cannot write to ``directory`` or ``steps`` is
     malformed.
     """
-    global _writer
     from matex import _runtime
 
     try:
@@ -65,8 +64,9 @@ def start(directory: str | os.PathLike,
     core = _runtime._core()
     control = _runtime.control()
     with _lock:
-        if _writer is not None:
-            raise TimelineError("matex.timeline: already recording to %s" % _writer.path.parent)
+        if _now.writer is not None:
+            raise TimelineError("matex.timeline: already recording to %s"
+                                % _now.writer.path.parent)
         error, writer = None, None
         try:
             directory = check_writable(directory)
@@ -89,25 +89,23 @@ def start(directory: str | os.PathLike,
         writer.begin(offset, origin, round_trip, _config.job_id())
         writer.last_seq = core.flight_sequence()
         writer.start()
-        _writer = writer
-        global _atexit
-        if not _atexit:
+        _now.writer = writer
+        if not _now.atexit:
             atexit.register(stop)
-            _atexit = True
+            _now.atexit = True
 
 
 def stop() -> None:
     """Finish this rank's timeline file (not collective; also runs at exit)."""
-    global _writer
     with _lock:
-        writer, _writer = _writer, None
+        writer, _now.writer = _now.writer, None
     if writer is not None:
         writer.stop()
 
 
 def active() -> bool:
     """Whether this rank is writing a timeline now."""
-    return _writer is not None
+    return _now.writer is not None
 
 
 def requested() -> bool:
@@ -118,7 +116,7 @@ def requested() -> bool:
 
 def writer() -> Writer | None:
     """The running writer, or None (used by the timeline callback)."""
-    return _writer
+    return _now.writer
 
 
 _OFF = contextlib.nullcontext()
@@ -155,9 +153,6 @@ class _Step:
         return False
 
 
-_next_step = 0
-
-
 def step(number: int | None = None) -> contextlib.AbstractContextManager:
     """``with matex.timeline.step(i): train_step(...)`` marks a custom loop's training step.
 
@@ -166,11 +161,10 @@ def step(number: int | None = None) -> contextlib.AbstractContextManager:
     by ``number`` (default: one more than the last step marked this way,
     from 0). A no-op context when no timeline is being written.
     """
-    global _next_step
     if number is None:
-        number = _next_step
-    _next_step = int(number) + 1
-    w = _writer
+        number = _now.next_step
+    _now.next_step = int(number) + 1
+    w = _now.writer
     if w is None:
         return _OFF
     return _Step(w, int(number))
@@ -180,9 +174,9 @@ def span(name: str, **args: object) -> contextlib.AbstractContextManager:
     """``with matex.timeline.span("read", rows=256): ...`` records that block on the reader row.
 
     Any thread may use it (the readers' worker threads do). When no timeline
-    is being written it returns a shared no-op context: one global read.
+    is being written it returns a shared no-op context: one attribute read.
     """
-    w = _writer
+    w = _now.writer
     if w is None:
         return _OFF
     from matex.timeline._writer import READER_TID
@@ -192,10 +186,9 @@ def span(name: str, **args: object) -> contextlib.AbstractContextManager:
 
 def autostart() -> None:
     """Start the timeline ``MATEX_TIMELINE`` asks for (once; at MaTEx's start, on every rank)."""
-    global _autostarted
-    if _autostarted:
+    if _now.autostarted:
         return
-    _autostarted = True
+    _now.autostarted = True
     directory = _config.timeline_dir()
     if directory:
         try:

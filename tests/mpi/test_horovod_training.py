@@ -354,7 +354,7 @@ def main_script(monkeypatch):
 
     def pretend(source):
         monkeypatch.setattr(_join, "_main_script", lambda: source)
-        monkeypatch.setattr(_join, "_decided", None)
+        monkeypatch.setattr(_join._now, "decided", None)
 
     monkeypatch.delenv("MATEX_HOROVOD_JOIN", raising=False)
     yield pretend
@@ -406,8 +406,8 @@ def test_one_rank_alone_may_read_the_cross_figures():
     sets one), rank 0's Split met the others' allgather and the job hung."""
     from matex import _runtime
 
-    world, owned = matex.comm(), _runtime._owned
-    _runtime._owned = False     # world stays alive while a fresh communicator stands in
+    world, owned = matex.comm(), _runtime._now.owned
+    _runtime._now.owned = False     # world stays alive while a fresh communicator stands in
     _runtime._set_comm(world.Dup(), owned=True)
     try:
         mine = (hvd.cross_rank(), hvd.cross_size(), hvd.is_homogeneous()) if R == 0 else None
@@ -496,9 +496,9 @@ def test_sparse_average_divides_by_the_size_when_it_runs():
     mine = tf.constant([[float(R + 1), 2.0 * R]])
     np.testing.assert_allclose(average(mine).numpy(),
                                [[r + 1.0, 2.0 * r] for r in range(N)] / np.float32(N))
-    world, owned = matex.comm(), _runtime._owned
+    world, owned = matex.comm(), _runtime._now.owned
     half = world.Split(R % 2, R)
-    _runtime._owned = False
+    _runtime._now.owned = False
     _runtime._set_comm(half, owned=True)
     try:
         got = average(mine).numpy()

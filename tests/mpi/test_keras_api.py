@@ -773,3 +773,48 @@ def test_a_step_traced_again_with_the_reduction_makes_matex_s_counters():
     # each step: d(sum)/d(bias) = 4 rows per output, SGD 0.1 (equal data on every rank)
     np.testing.assert_allclose(model.trainable_variables[1].numpy(), [-0.8, -0.8], rtol=1e-6)
     assert matex.stats()["steps"] >= 1
+
+
+def test_clear_session_empties_matex_s_caches_and_the_next_model_trains_alike():
+    """``matex.clear_session()``, the one reset: every session entry of ``matex._state``
+    (byte ledgers, plans, compressors) is emptied, Keras's own state with it; the
+    communicators stay, and the next model trains distributed exactly as the first."""
+    from matex import _runtime, _state
+
+    def train():
+        keras.utils.set_random_seed(0)
+        model = keras.Sequential([keras.Input((3,)), keras.layers.Dense(2)])
+        optimizer = keras.optimizers.SGD(0.1)
+        data = tf.fill([4, 3], float(R + 1))
+        start = model.layers[0].kernel.numpy()
+        for _ in range(2):
+            with tf.GradientTape() as tape:
+                loss = tf.reduce_sum(model(data))
+            tape = matex.DistributedGradientTape(tape)
+            grads = tape.gradient(loss, model.trainable_variables)
+            optimizer.apply_gradients(zip(grads, model.trainable_variables))
+        # d(sum)/d(kernel) = 4 rows of (r + 1), averaged over ranks; 2 steps of SGD 0.1
+        expected = start - 2 * 0.1 * 4 * np.mean(np.arange(1, N + 1))
+        np.testing.assert_allclose(model.layers[0].kernel.numpy(), expected, rtol=1e-5)
+        return model.layers[0].name, model.layers[0].kernel.numpy()
+
+    comm = _runtime.comm()
+    matex.clear_session()   # earlier tests' ledgers: this test counts from nothing
+    _, first = train()
+    counted = matex.stats()["steps"]
+    assert counted > 0
+    sessions = [n for n, lifetime in _state.registered().items() if lifetime == "session"]
+    assert "stats.ledgers" in sessions and len(_state.entry("stats.ledgers")) > 0
+    matex.clear_session()
+    for entry in map(_state.entry, sessions):
+        if isinstance(entry, _state.Namespace):
+            assert all(getattr(entry, k) is v for k, v in entry._defaults.items()), entry
+        else:
+            assert len(entry) == 0, entry
+    assert matex.stats()["steps"] == 0
+    assert _runtime.comm() is comm and comm.allreduce(1) == N   # process state stays
+    again, second = train()
+    assert again == "dense"   # Keras's names start over: its state went too
+    assert matex.stats()["steps"] == counted   # counted anew, as from nothing
+    np.testing.assert_array_equal(second, first)
+    assert all_equal_bytes([second])

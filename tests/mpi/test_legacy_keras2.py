@@ -309,5 +309,5 @@ def test_transparent_path_refuses_tf_keras_training_on_every_rank():
         np.testing.assert_array_equal(a, b)
     for cls, name in _compat.tf_keras_training_entry_points():   # leave tf-keras as it was
         setattr(cls, name, getattr(cls, name).__wrapped__)
-    _keras2._refusing[0] = False
+    _keras2._now.refusing = False
     assert os.environ.get("TF_USE_LEGACY_KERAS") == "1"

@@ -467,7 +467,7 @@ def test_batch_size_that_ranks_do_not_divide(shared):
 
 def test_one_time_note_on_rank_0_when_batch_size_is_given(shared, capsys):
     path = written(shared / "contiguous.h5", h5_writer(611))
-    _dataset._noted = False
+    _dataset._now.noted = False
     capsys.readouterr()
     DataSet(path, per_rank_batch_size=B).close()
     DataSet(path).close()

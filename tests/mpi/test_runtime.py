@@ -71,10 +71,10 @@ def test_control_communicator_is_a_separate_duplicate_of_the_data_one():
 
 
 def test_replacing_the_communicator_frees_the_ones_it_replaces():
-    before = (_runtime._comm, _runtime._control, _runtime._local)
+    before = (_runtime._now.comm, _runtime._now.control, _runtime._now.local)
     try:
         _runtime._set_comm(MPI.COMM_WORLD.Dup())        # MaTEx's own: freed when replaced
-        mine = (_runtime._comm, _runtime._control, _runtime._local)
+        mine = (_runtime._now.comm, _runtime._now.control, _runtime._now.local)
         assert all(c == MPI.COMM_NULL for c in before)
         script_comm = MPI.COMM_WORLD.Dup()
         _runtime._set_comm(script_comm, owned=False)   # the script's: never freed by MaTEx
@@ -84,7 +84,7 @@ def test_replacing_the_communicator_frees_the_ones_it_replaces():
         script_comm.Free()
         assert float(matex.allreduce(1.0, "sum")) == matex.size()   # ops follow the swap
     finally:
-        if _runtime._comm is None or _runtime._comm == MPI.COMM_NULL:
+        if _runtime._now.comm is None or _runtime._now.comm == MPI.COMM_NULL:
             _runtime._set_comm(MPI.COMM_WORLD.Dup())
 
 
