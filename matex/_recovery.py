@@ -115,6 +115,16 @@ class State:
         """NumPy arrays that must be bitwise equal on every rank after ``sync`` (digested)."""
         return []
 
+    def committed(self) -> Any:
+        """What a commit written to disk holds of this state as of the last
+        ``begin_step``: picklable, the same on every rank (collective: every rank
+        calls it). None: nothing beyond the model's and optimizer's variables."""
+        return None
+
+    def load_committed(self, data: Any) -> None:
+        """Put back ``committed``'s data on the one rank resuming from disk (local);
+        ``sync`` then hands the others what they take from it."""
+
 
 class SnapshotState(State):
     """Variables a step writes before its update is known to be committed on every rank.
@@ -147,6 +157,13 @@ class SnapshotState(State):
                 v.assign(saved[1] if saved is not None and saved[0] is v
                          else tf.zeros_like(v))
         self._at = None
+
+    def snapshot_of(self, variable: Any) -> np.ndarray:
+        """``variable``'s value at the last ``begin_step`` (zeros: made since)."""
+        saved = self._saved.get(id(variable))
+        if saved is not None and saved[0] is variable:
+            return np.array(saved[1], copy=True)
+        return np.zeros(variable.shape, variable.dtype.as_numpy_dtype)
 
 
 class VariablesState(State):
@@ -244,28 +261,39 @@ def join(optimizer, key: str, make: Callable[[Any, Callable[[], list]], State]) 
     ``variables()``: the model's and the optimizer's variables, which a
     rollback puts back too.
     """
-    optimizer._matex.joined[key] = make
+    _registry(optimizer, create=True)[key] = make
+
+
+def _registry(optimizer, create: bool = False) -> dict:
+    """``optimizer``'s step-state makers by key: in MaTEx's settings of a Keras 3
+    optimizer it distributed, else (a Keras 2 one, Horovod's wrapper) in a plain
+    attribute that Keras 2's tracking does not take for optimizer state."""
+    settings = getattr(optimizer, "_matex", None)
+    if settings is not None and hasattr(settings, "joined"):
+        return settings.joined
+    found = getattr(optimizer, "_matex_joined", None)
+    if found is None:
+        found = {}
+        if create:
+            object.__setattr__(optimizer, "_matex_joined", found)
+    return found
 
 
 def leave(optimizer, key: str) -> None:
     """Remove the step state registered under ``key`` (nothing if there is none)."""
-    settings = getattr(optimizer, "_matex", None)
-    if settings is not None:
-        settings.joined.pop(key, None)
+    _registry(optimizer).pop(key, None)
 
 
 def joined(optimizer) -> List[str]:
-    """The keys of ``optimizer``'s step states, in their order ([] if MaTEx did not
-    distribute it)."""
-    return list(getattr(getattr(optimizer, "_matex", None), "joined", {}))
+    """The keys of ``optimizer``'s step states, in their order ([] if none joined)."""
+    return list(_registry(optimizer))
 
 
 def step_states(optimizer, variables: Callable[[], list]) -> List[State]:
-    """The states that joined ``optimizer`` (``join``), built for ``variables``; [] for an
-    optimizer MaTEx did not distribute. They go after the model's own state: their
+    """The states that joined ``optimizer`` (``join``), built for ``variables``, in the
+    order of ``joined``; [] when none did. They go after the model's own state: their
     ``restore`` and ``sync`` run after its."""
-    settings = getattr(optimizer, "_matex", None)
-    return [make(optimizer, variables) for make in getattr(settings, "joined", {}).values()]
+    return [make(optimizer, variables) for make in _registry(optimizer).values()]
 
 
 def model_states(model, track_steps: bool = True) -> List[State]:

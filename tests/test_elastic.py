@@ -24,6 +24,8 @@ import sys
 import time
 from pathlib import Path
 
+import pytest
+
 from test_cluster import nscluster, two_hosts  # noqa: F401 - the namespace hosts fixture
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -102,7 +104,8 @@ def test_a_rank_lost_before_the_first_collective_of_run_is_recovered(tmp_path):
         assert rep["sizes"] == [2] * steps, rep["sizes"]
 
 
-def test_ranks_lost_inside_accumulation_count_each_gradient_once(tmp_path):
+@pytest.mark.parametrize("flavour", ["keras3", "keras2"])
+def test_ranks_lost_inside_accumulation_count_each_gradient_once(tmp_path, flavour):
     """3 ranks, ``backward_passes_per_step=2``, a commit after every call: rank 1 killed
     in call 5 (a reducing call: the survivors' reduction fails after each had added the
     call's gradient and counted it), rank 2 in call 8 (a counting call, no collective:
@@ -110,11 +113,13 @@ def test_ranks_lost_inside_accumulation_count_each_gradient_once(tmp_path):
     restored with the commit, so every call's gradient (exactly 1) is summed once:
     ``w == -12`` after 12 calls. Before, the survivors kept the interrupted reducing call's
     writes to them (counter and sums), and its redo counted instead of reducing: one
-    update lost, ``w == -10``."""
+    update lost, ``w == -10``. Keras 2 (tf-keras) optimizers' accumulation joins the same
+    recovery state (before, it did not: ``w == -10``)."""
     out = tmp_path / "r"
     proc = subprocess.run([MATEXRUN, "--ft", "--horovod", "-n", "3", "--inject-fault",
                            "rank=1,step=5,kind=kill; rank=2,step=8,kind=kill",
-                           str(SCRIPTS / "elastic_accumulate.py"), str(out), "12"],
+                           str(SCRIPTS / "elastic_accumulate.py"), str(out), "12"]
+                          + (["keras2"] if flavour == "keras2" else []),
                           capture_output=True, text=True, timeout=300, env=_env(),
                           cwd=tmp_path)
     err = proc.stderr[-4000:]
@@ -123,6 +128,38 @@ def test_ranks_lost_inside_accumulation_count_each_gradient_once(tmp_path):
     assert sorted(done) == [0], err
     assert done[0] == {"w": -12.0, "batch": 12, "iterations": 12, "counter": 0, "size": 1}, \
         (done[0], err)
+
+
+@pytest.mark.parametrize("flavour", ["keras3", "keras2"])
+def test_a_restart_resumes_accumulation_from_the_commit_on_disk(tmp_path, flavour):
+    """Commits written to disk (``MATEX_CHECKPOINT_DIR``, as ``matexrun --elastic`` sets
+    it) hold ``backward_passes_per_step``'s counter and the ranks' accumulators: 3 ranks,
+    rank 1 killed in call 5 without ``--ft`` (the job ends), the commit on disk was made
+    after call 4 (counter 1, each rank's accumulator 1); a second launch resumes there
+    and ends with every call's gradient summed once, ``w == -12``. Before, the restart
+    began from a zero counter and zero accumulators: call 4's gradient was lost, the
+    pairs shifted by one call and the last call's gradient was left unapplied
+    (``w == -10``, counter 1)."""
+    out, ckpt = tmp_path / "r", tmp_path / "ckpt"
+    argv = [str(SCRIPTS / "elastic_accumulate.py"), str(out), "12"] + (
+        ["keras2"] if flavour == "keras2" else [])
+    env = _env({"MATEX_CHECKPOINT_DIR": str(ckpt)})
+    first = subprocess.run([MATEXRUN, "--horovod", "-n", "3", "--inject-fault",
+                            "rank=1,step=5,kind=kill"] + argv,
+                           capture_output=True, text=True, timeout=300, env=env, cwd=tmp_path)
+    assert first.returncode != 0 and _reports(out) == {}, first.stderr[-3000:]
+    assert [p.suffix for p in ckpt.iterdir()] == [".pkl"], first.stderr[-3000:]
+    second = subprocess.run([MATEXRUN, "--horovod", "-n", "3"] + argv, capture_output=True,
+                            text=True, timeout=300, env=env, cwd=tmp_path)
+    err = second.stderr[-4000:]
+    assert second.returncode == 0, err
+    assert "resumed from commit 5" in second.stdout, second.stdout[-2000:]
+    done = _reports(out)
+    assert sorted(done) == [0, 1, 2], err
+    for rep in done.values():
+        assert rep == {"w": -12.0, "batch": 12, "iterations": 12, "counter": 0, "size": 3}, \
+            (rep, err)
+    assert list(ckpt.iterdir()) == []   # the finished function's commit is removed
 
 
 # ------------------------------------------------- a host lost with its Open MPI daemon

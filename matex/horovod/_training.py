@@ -24,6 +24,7 @@ from __future__ import annotations
 
 from typing import Any
 
+import numpy as np
 import tensorflow as tf
 
 from matex import _collectives, _commit, _compat, _recovery, _tape
@@ -154,10 +155,7 @@ class HorovodReduction:
     def accumulate(self, grads: list, variables: list | None) -> list:
         """Add ``grads`` to the accumulators and count the call; returns the sums so far."""
         out = []
-        with tf.init_scope():
-            if self.counter is None:
-                self.counter = tf.Variable(0, dtype=tf.int64, trainable=False,
-                                           name="matex_backward_passes")
+        counter = self._counter()
         for i, g in enumerate(grads):
             if g is None:
                 out.append(None)
@@ -168,16 +166,34 @@ class HorovodReduction:
                                      "`backward_passes_per_step` > 1 and `sparse_as_dense` is "
                                      "False.")
                 g = tf.convert_to_tensor(g)
-            if i not in self.accumulators:
-                shape = (variables[i].shape if variables is not None else g.shape)
-                with tf.init_scope():
-                    self.accumulators[i] = tf.Variable(tf.zeros(shape, g.dtype),
-                                                       trainable=False,
-                                                       name="matex_accumulated_gradient")
-            out.append(self.accumulators[i].assign_add(g))
+            shape = variables[i].shape if variables is not None else g.shape
+            out.append(self._accumulator(i, shape, g.dtype).assign_add(g))
         with tf.control_dependencies([t for t in out if t is not None]):
-            self.counter.assign_add(1)
+            counter.assign_add(1)
         return out
+
+    def _counter(self) -> tf.Variable:
+        """The call counter, made at first use (outside any function being traced)."""
+        with tf.init_scope():
+            if self.counter is None:
+                self.counter = tf.Variable(0, dtype=tf.int64, trainable=False,
+                                           name="matex_backward_passes")
+        return self.counter
+
+    def _accumulator(self, i: int, shape: Any, dtype: Any) -> tf.Variable:
+        """Gradient ``i``'s accumulator, made (zeros) at first use."""
+        if i not in self.accumulators:
+            with tf.init_scope():
+                self.accumulators[i] = tf.Variable(tf.zeros(shape, dtype), trainable=False,
+                                                   name="matex_accumulated_gradient")
+        return self.accumulators[i]
+
+    def load(self, counter: int, accumulators: dict) -> None:
+        """Set the counter and the accumulators (``{index: array}``), making those missing:
+        a restarted process's, from a commit on disk, before its first call."""
+        self._counter().assign(counter)
+        for i, value in accumulators.items():
+            self._accumulator(int(i), value.shape, tf.as_dtype(value.dtype)).assign(value)
 
     def due(self) -> tf.Tensor:
         """Whether this call is the N-th (the counter is read after this call's increment).
@@ -227,12 +243,41 @@ class AccumulationState(_recovery.SnapshotState):
         return ([r.counter] if r.counter is not None else []) + list(r.accumulators.values())
 
     def sync(self, root: int = 0) -> None:
-        if self.reduction.counter is not None:
-            _collectives.broadcast_variables([self.reduction.counter], root)
+        # made where missing (a rank that has not run a call yet), so every rank joins
+        _collectives.broadcast_variables([self.reduction._counter()], root)
 
     def arrays(self) -> list:
         counter = self.reduction.counter
         return [counter.numpy()] if counter is not None else []
+
+    def committed(self) -> Any:
+        """The counter and the ranks' accumulators summed, at the commit (the last
+        ``begin_step``), for a commit written to disk (collective): a restarted job goes
+        on accumulating from there. A rank that has not made an accumulator yet adds
+        zeros."""
+        from matex import _runtime
+
+        r, control = self.reduction, _runtime.control()
+        mine = {i: self.snapshot_of(a) for i, a in r.accumulators.items()}
+        layout: dict = {}
+        for held in control.allgather({i: (v.shape, v.dtype.str) for i, v in mine.items()}):
+            layout.update(held)
+        sums = {i: control.allreduce(mine[i] if i in mine else np.zeros(shape, dtype))
+                for i, (shape, dtype) in sorted(layout.items())}
+        counter = int(self.snapshot_of(r.counter)) if r.counter is not None else 0
+        return {"counter": max(control.allgather(counter)), "sums": sums,
+                "ranks": control.Get_size(), "op": r.op}
+
+    def load_committed(self, data: Any) -> None:
+        """The resuming rank holds the sums, the others start from zero: the next reduction
+        adds the committed part once. With an average it is scaled by the ranks now over
+        the ranks then, so it weighs what it weighed in the job that committed it."""
+        from matex import _runtime
+
+        scale = 1 if data["op"] == "sum" else _runtime.size() / data["ranks"]
+        self.reduction.load(data["counter"], {i: s * scale if scale != 1 else s
+                                              for i, s in data["sums"].items()})
+        self.begin_step()   # the loaded values are the commit to go back to
 
 
 class _HorovodTapeMixin:

@@ -133,6 +133,14 @@ class State:
         """The synchronised state as arrays, equal bitwise on every rank after ``sync``."""
         return [np.frombuffer(pickle.dumps(self.committed()), np.uint8)]
 
+    def disk_extras(self) -> Any:
+        """What a commit written to disk holds beyond ``committed()``, agreed over the
+        ranks (collective: every rank calls it); None: nothing."""
+        return None
+
+    def load_disk_extras(self, data: Any) -> None:
+        """Put back ``disk_extras``'s data (on the rank resuming from disk)."""
+
     def _write_through(self) -> None:
         """Rank 0 writes the commit to ``_file`` (every ``MATEX_ELASTIC_WRITE_EVERY``-th);
         collective then, so that a failed write is an error on every rank."""
@@ -140,11 +148,15 @@ class State:
         if path is None or self._commits % _write_every():
             return
 
+        extras = self.disk_extras()   # on every rank: it may take a collective
+
         def write():
             if self._rank() != 0:
                 return
-            _atomic.write(path, pickle.dumps({"commits": self._commits,
-                                              "state": self.committed()}), mkdir=True)
+            data = {"commits": self._commits, "state": self.committed()}
+            if extras is not None:   # the optimizer's step states (the accumulation)
+                data["extras"] = extras
+            _atomic.write(path, pickle.dumps(data), mkdir=True)
 
         on_every_rank(_runtime.control(), write, what="hvd.elastic: writing the commit to %s"
                       % path)
@@ -248,6 +260,8 @@ def _resume(state: State, path: str | None) -> bool:
     with open(path, "rb") as f:
         saved = pickle.load(f)
     state.load_committed(saved["state"])
+    if saved.get("extras") is not None:
+        state.load_disk_extras(saved["extras"])
     state._commits = int(saved["commits"])
     print("matex: hvd.elastic: resumed from commit %d in %s" % (state._commits, path),
           flush=True)

@@ -26,7 +26,7 @@ from typing import Any
 
 import tensorflow as tf
 
-from matex import _compat, _state
+from matex import _compat, _recovery, _state
 
 LEGACY_KERAS_VAR = "TF_USE_LEGACY_KERAS"
 
@@ -79,6 +79,9 @@ class _DistributedKeras2:
         object.__setattr__(self, "_matex_reduction", reduction)
         object.__setattr__(self, "_agg_helper", reduction if s["passes"] > 1 else None)
         object.__setattr__(self, "process_set", s["process_set"])
+        if s["passes"] > 1:   # the counter and accumulators: recovery state, as Keras 3's
+            _recovery.join(self, "accumulation",
+                           lambda optimizer, variables: reduction.recovery_state(optimizer))
 
     @property
     def variables(self) -> _CallableList:
@@ -111,6 +114,11 @@ class _DistributedKeras2:
     def _matex_allreduce(self, grads: list, variables: list) -> list:
         """Reduced gradients; with accumulation the reduced sums on the N-th call, the local
         sums on the others (not applied: ``apply_gradients`` only counts then)."""
+        from matex import _faults
+
+        hook = _faults.graph_hook(self.iterations)   # MATEX_INJECT_FAULT's kills, as Keras 3's
+        with tf.control_dependencies([hook] if hook is not None else []):
+            grads = [tf.identity(g) if isinstance(g, tf.Tensor) else g for g in grads]
         reduction = self._matex_reduction
         if reduction.passes == 1:
             return reduction.reduce(grads, variables)

@@ -82,6 +82,7 @@ class TensorFlowKerasState(_VariablesMixin, ObjectState):
         self.optimizer = optimizer if optimizer is not None else model.optimizer
         self.backend = backend
         self._build_optimizer()   # its slots exist from the first commit on
+        self._step_keys = _recovery.joined(self.optimizer)   # in step_states' order
         self._step_states = _recovery.step_states(self.optimizer, self._variables)
         self._save_values()
         super().__init__(**kwargs)
@@ -136,6 +137,17 @@ class TensorFlowKerasState(_VariablesMixin, ObjectState):
 
     def committed(self) -> Any:
         return {"variables": self._saved_values, "objects": super().committed()}
+
+    def disk_extras(self) -> Any:
+        """The optimizer's step states as a commit on disk holds them (the accumulation
+        counter and the ranks' accumulators summed), by key (collective)."""
+        held = {key: s.committed() for key, s in zip(self._step_keys, self._step_states)}
+        return {key: data for key, data in held.items() if data is not None} or None
+
+    def load_disk_extras(self, data: Any) -> None:
+        for key, s in zip(self._step_keys, self._step_states):
+            if key in data:
+                s.load_committed(data[key])
 
     def load_committed(self, data: Any) -> None:
         if len(data["variables"]) > len(self._variables()):
