@@ -336,8 +336,8 @@ def test_an_mpi_error_of_another_class_is_a_rank_failure_when_one_is_known(monke
     from matex import _resilience, _runtime
 
     monkeypatch.setattr(_resilience, "mode", lambda: "ulfm")
-    monkeypatch.setattr(_runtime, "_comm", comm)
-    monkeypatch.setattr(_runtime, "_control", None)
+    monkeypatch.setattr(_runtime._now, "comm", comm)
+    monkeypatch.setattr(_runtime._now, "control", None)
     monkeypatch.setattr(_runtime, "_slots", {})
     op_error = tf.errors.InternalError(
         None, None, "matex fused allreduce: MPI_Wait (agreement check) failed: MPI_ERR_OTHER",
