@@ -123,8 +123,9 @@ def clear_session() -> None:
 
     Local, not collective. For scripts that build model after model in one
     process (a search, a loop over configurations): the caches MaTEx made for
-    earlier models, graphs and plans go, and are rebuilt for the next model
-    on demand. The communicators, process sets and installed patches stay.
+    earlier models, graphs and plans go (byte ledgers, so ``matex.stats()``
+    counts anew; compressors; pipeline and TF1 graph plans), and are rebuilt
+    for the next model on demand. The communicators, process sets and installed patches stay.
     One call resets both libraries: it ends with ``keras.backend.clear_session()``
     when Keras has been imported.
     """
