@@ -62,6 +62,23 @@ def launch_env():
     return env
 
 
+def worker_program(script, worker, mpi_args=(), mpi4py_runner=True):
+    """The command line of one rank of a benchmark phase (before its own arguments).
+
+    mpi4py's runner aborts the whole job on an uncaught exception. Not
+    ``python -m matex``: it would make the Keras baselines distributed too.
+    """
+    program = [sys.executable] + (["-m", "mpi4py"] if mpi4py_runner else []) + [
+        os.path.abspath(script), "--worker", worker]
+    if "--with-ft" in mpi_args and mpi4py_runner:
+        # as ``import matex`` does under ULFM: no MPI_Finalize, which can wait forever once
+        # a rank has died (here mpi4py starts MPI before the script imports matex). A
+        # Python literal: mpi4py reads "false" as a string, warns and finalizes anyway
+        # (hpo_workflow's failure phase then hung at exit now and then)
+        program[3:3] = ["-rc", "finalize=False"]
+    return program
+
+
 def run_phase(script, worker, nranks, args=(), mpi_args=(), timeout=1800, mpi4py_runner=True,
               unset=()):
     """Run ``script --worker worker args`` on ``nranks`` ranks; return rank 0's result dict.
@@ -71,14 +88,7 @@ def run_phase(script, worker, nranks, args=(), mpi_args=(), timeout=1800, mpi4py
     """
     from matex import launcher
 
-    # mpi4py's runner aborts the whole job on an uncaught exception. Not
-    # ``python -m matex``: it would make the Keras baselines distributed too.
-    program = [sys.executable] + (["-m", "mpi4py"] if mpi4py_runner else []) + [
-        os.path.abspath(script), "--worker", worker]
-    if "--with-ft" in mpi_args and mpi4py_runner:
-        # as ``import matex`` does under ULFM: no MPI_Finalize, which can wait forever once
-        # a rank has died (here mpi4py starts MPI before the script imports matex)
-        program[3:3] = ["-rc", "finalize=false"]
+    program = worker_program(script, worker, mpi_args, mpi4py_runner)
     cmd = launcher.mpiexec_command(nranks, program + list(args), mpi_args=mpi_args)
     try:
         env = {k: v for k, v in launch_env().items() if k not in unset}
