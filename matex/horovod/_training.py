@@ -275,8 +275,7 @@ class AccumulationState(_recovery.SnapshotState):
         from matex import _runtime
 
         scale = 1 if data["op"] == "sum" else _runtime.size() / data["ranks"]
-        self.reduction.load(data["counter"], {i: s * scale if scale != 1 else s
-                                              for i, s in data["sums"].items()})
+        self.reduction.load(data["counter"], {i: s * scale for i, s in data["sums"].items()})
         self.begin_step()   # the loaded values are the commit to go back to
 
 

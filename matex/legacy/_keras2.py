@@ -116,9 +116,9 @@ class _DistributedKeras2:
         sums on the others (not applied: ``apply_gradients`` only counts then)."""
         from matex import _faults
 
-        hook = _faults.graph_hook(self.iterations)   # MATEX_INJECT_FAULT's kills, as Keras 3's
-        with tf.control_dependencies([hook] if hook is not None else []):
-            grads = [tf.identity(g) if isinstance(g, tf.Tensor) else g for g in grads]
+        if _faults.pending():   # MATEX_INJECT_FAULT's kills, as Keras 3's (else no op added)
+            with tf.control_dependencies([_faults.graph_hook(self.iterations)]):
+                grads = [tf.identity(g) if isinstance(g, tf.Tensor) else g for g in grads]
         reduction = self._matex_reduction
         if reduction.passes == 1:
             return reduction.reduce(grads, variables)
