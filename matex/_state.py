@@ -127,7 +127,7 @@ def clear_session() -> None:
     counts anew; compressors; pipeline and TF1 graph plans), and are rebuilt
     for the next model on demand. The communicators, process sets and installed patches stay.
     One call resets both libraries: it ends with ``keras.backend.clear_session()``
-    when Keras has been imported.
+    when Keras has been imported (and tf-keras's, for Keras 2 scripts).
     """
     with _lock:
         held = [entry for lifetime, entry in _entries.values() if lifetime == "session"]
@@ -136,6 +136,7 @@ def clear_session() -> None:
             entry._reset()
         else:
             entry.clear()
-    keras = sys.modules.get("keras")
-    if keras is not None and hasattr(keras, "backend"):
-        keras.backend.clear_session()
+    for name in ("keras", "tf_keras"):
+        keras = sys.modules.get(name)
+        if keras is not None and hasattr(keras, "backend"):
+            keras.backend.clear_session()
