@@ -798,8 +798,11 @@ def test_clear_session_empties_matex_s_caches_and_the_next_model_trains_alike():
         np.testing.assert_allclose(model.layers[0].kernel.numpy(), expected, rtol=1e-5)
         return model.layers[0].name, model.layers[0].kernel.numpy()
 
+    import tf_keras
+
     comm = _runtime.comm()
     matex.clear_session()   # earlier tests' ledgers: this test counts from nothing
+    tf_keras.layers.Dense(1)   # a Keras 2 script's layer: its names restart too
     _, first = train()
     counted = matex.stats()["steps"]
     assert counted > 0
@@ -815,6 +818,7 @@ def test_clear_session_empties_matex_s_caches_and_the_next_model_trains_alike():
     assert _runtime.comm() is comm and comm.allreduce(1) == N   # process state stays
     again, second = train()
     assert again == "dense"   # Keras's names start over: its state went too
+    assert tf_keras.layers.Dense(1).name == "dense"   # and tf-keras's
     assert matex.stats()["steps"] == counted   # counted anew, as from nothing
     np.testing.assert_array_equal(second, first)
     assert all_equal_bytes([second])
