@@ -153,16 +153,20 @@ class SnapshotState(State):
 
         if self._at is not None and int(self._counter_of()) == self._at:
             for v in self._variables_of():
-                saved = self._saved.get(id(v))
-                v.assign(saved[1] if saved is not None and saved[0] is v
-                         else tf.zeros_like(v))
+                saved = self._saved_value(v)
+                v.assign(saved if saved is not None else tf.zeros_like(v))
         self._at = None
+
+    def _saved_value(self, variable: Any) -> Any:
+        """``variable``'s value at the last ``begin_step``; None if it was made since."""
+        saved = self._saved.get(id(variable))
+        return saved[1] if saved is not None and saved[0] is variable else None
 
     def snapshot_of(self, variable: Any) -> np.ndarray:
         """``variable``'s value at the last ``begin_step`` (zeros: made since)."""
-        saved = self._saved.get(id(variable))
-        if saved is not None and saved[0] is variable:
-            return np.array(saved[1], copy=True)
+        saved = self._saved_value(variable)
+        if saved is not None:
+            return np.array(saved, copy=True)
         return np.zeros(variable.shape, variable.dtype.as_numpy_dtype)
 
 

@@ -27,7 +27,7 @@ from typing import Any
 import numpy as np
 import tensorflow as tf
 
-from matex import _collectives, _commit, _compat, _recovery, _tape
+from matex import _collectives, _commit, _compat, _recovery, _runtime, _tape
 from matex.compression import _reduce
 from matex.horovod import _api, _join
 
@@ -255,25 +255,24 @@ class AccumulationState(_recovery.SnapshotState):
         ``begin_step``), for a commit written to disk (collective): a restarted job goes
         on accumulating from there. A rank that has not made an accumulator yet adds
         zeros."""
-        from matex import _runtime
-
         r, control = self.reduction, _runtime.control()
         mine = {i: self.snapshot_of(a) for i, a in r.accumulators.items()}
+        counter = int(self.snapshot_of(r.counter)) if r.counter is not None else 0
+        # one allgather: the counter (the same wherever made) and which accumulators exist
+        everyone = control.allgather(
+            (counter, {i: (v.shape, v.dtype.str) for i, v in mine.items()}))
         layout: dict = {}
-        for held in control.allgather({i: (v.shape, v.dtype.str) for i, v in mine.items()}):
+        for _, held in everyone:
             layout.update(held)
         sums = {i: control.allreduce(mine[i] if i in mine else np.zeros(shape, dtype))
                 for i, (shape, dtype) in sorted(layout.items())}
-        counter = int(self.snapshot_of(r.counter)) if r.counter is not None else 0
-        return {"counter": max(control.allgather(counter)), "sums": sums,
+        return {"counter": max(c for c, _ in everyone), "sums": sums,
                 "ranks": control.Get_size(), "op": r.op}
 
     def load_committed(self, data: Any) -> None:
         """The resuming rank holds the sums, the others start from zero: the next reduction
         adds the committed part once. With an average it is scaled by the ranks now over
         the ranks then, so it weighs what it weighed in the job that committed it."""
-        from matex import _runtime
-
         scale = 1 if data["op"] == "sum" else _runtime.size() / data["ranks"]
         self.reduction.load(data["counter"], {i: s * scale for i, s in data["sums"].items()})
         self.begin_step()   # the loaded values are the commit to go back to
